@@ -1,0 +1,65 @@
+"""Pure `build_*()` functions: a parsed InferenceService in, Kubernetes manifests (dicts) out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton_operator.builders.common import child_name, labels, owner_reference, selector_labels
+from baton_operator.builders.network import (
+    build_headless_service,
+    build_ingress,
+    build_router_service,
+)
+from baton_operator.builders.pods import (
+    build_router_pod,
+    build_worker_pod,
+    merge,
+    router_command,
+    serve_command,
+)
+from baton_operator.builders.workloads import build_deployment, build_hpa, build_pdb
+from baton_operator.spec import ROLES, WORKER_ROLES, InferenceService
+
+ChildKey = tuple[str, str, str]  # (apiVersion, kind, name)
+
+
+def build_children(svc: InferenceService) -> list[dict[str, Any]]:
+    """Every child the service should have right now, Services before their consumers."""
+    optional = [build_ingress(svc)]
+    optional += [build_hpa(svc, role) for role in WORKER_ROLES]
+    optional += [build_pdb(svc, role) for role in ROLES]
+    return [
+        *(build_headless_service(svc, role) for role in WORKER_ROLES),
+        build_router_service(svc),
+        *(build_deployment(svc, role) for role in ROLES),
+        *(child for child in optional if child is not None),
+    ]
+
+
+def optional_children(svc: InferenceService) -> list[ChildKey]:
+    """Every child that only exists for some specs; those not built are to be deleted."""
+    keys: list[ChildKey] = [("networking.k8s.io/v1", "Ingress", svc.name)]
+    keys += [("autoscaling/v2", "HorizontalPodAutoscaler", child_name(svc, r)) for r in WORKER_ROLES]
+    keys += [("policy/v1", "PodDisruptionBudget", child_name(svc, r)) for r in ROLES]
+    return keys
+
+
+__all__ = [
+    "build_children",
+    "build_deployment",
+    "build_headless_service",
+    "build_hpa",
+    "build_ingress",
+    "build_pdb",
+    "build_router_pod",
+    "build_router_service",
+    "build_worker_pod",
+    "child_name",
+    "labels",
+    "merge",
+    "optional_children",
+    "owner_reference",
+    "router_command",
+    "selector_labels",
+    "serve_command",
+]

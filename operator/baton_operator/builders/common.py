@@ -1,0 +1,62 @@
+"""Names, labels and ownership shared by every child object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton_operator import API_VERSION, KIND, MANAGER
+from baton_operator.spec import InferenceService, Role
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_ROLE = "baton.dev/role"
+
+HTTP_PORT = 8000
+BOOTSTRAP_PORT = 8998
+
+
+def child_name(svc: InferenceService, role: Role) -> str:
+    return f"{svc.name}-{role}"
+
+
+def service_host(svc: InferenceService, role: Role) -> str:
+    """Cluster DNS name of a pool's headless Service."""
+    return f"{child_name(svc, role)}.{svc.namespace}.svc.cluster.local"
+
+
+def selector_labels(svc: InferenceService, role: Role) -> dict[str, str]:
+    """Pod selector of a pool; immutable on Deployments, so it never grows."""
+    return {LABEL_NAME: "baton", LABEL_INSTANCE: svc.name, LABEL_ROLE: role}
+
+
+def labels(svc: InferenceService, role: Role) -> dict[str, str]:
+    return {
+        **selector_labels(svc, role),
+        LABEL_COMPONENT: role,
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_PART_OF: "baton",
+    }
+
+
+def owner_reference(svc: InferenceService) -> dict[str, Any]:
+    """Controller reference: the garbage collector deletes children with their service."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": svc.name,
+        "uid": svc.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(svc: InferenceService, name: str, role: Role) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": svc.namespace,
+        "labels": labels(svc, role),
+        "ownerReferences": [owner_reference(svc)],
+    }

@@ -1,0 +1,220 @@
+"""Pod templates for the prefill, decode and router pools.
+
+Containers run the runtime CLI of DESIGN.md "CLI contract" verbatim (`command` + `args`), as a
+non-root user on a read-only root filesystem; everything the runtime writes goes to emptyDirs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from baton_operator.builders.common import (
+    BOOTSTRAP_PORT,
+    HTTP_PORT,
+    labels,
+    service_host,
+)
+from baton_operator.spec import MODEL_MOUNT, InferenceService, Role, WorkerRole
+
+CONTAINER = "main"
+CACHE_DIR = "/cache"
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+# Writable places for a read-only root filesystem: the runtime resolves its cache from these.
+CACHE_ENV: tuple[dict[str, str], ...] = (
+    {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    {"name": "BATON_CACHE", "value": f"{CACHE_DIR}/baton"},
+    {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+)
+# Workers: model load can take minutes (conversion, cold page cache); 10 s x 90 = 15 min.
+WORKER_STARTUP = {"periodSeconds": 10, "failureThreshold": 90}
+ROUTER_STARTUP = {"periodSeconds": 2, "failureThreshold": 30}
+
+
+def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
+    """`baton serve` for a worker pool, followed by the pool's extra args."""
+    cmd = ["baton", "serve", "--model", svc.model.model_arg, "--role", role,
+           "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if role == "prefill":
+        cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
+    cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
+    return cmd + list(svc.pool(role).args)
+
+
+def router_command(svc: InferenceService) -> list[str]:
+    """`baton router` discovering the pools through their headless Services (re-resolved)."""
+    return [
+        "baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+        "--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
+        "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}",
+        "--policy", svc.router.policy,
+        *svc.router.args,
+    ]
+
+
+def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
+    """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`)."""
+    pool = svc.pool(role)
+    volumes, mounts, init = _model_source(svc)
+    ports = [_port("http", HTTP_PORT)]
+    if role == "prefill":
+        ports.append(_port("bootstrap", BOOTSTRAP_PORT))
+    container = _container(svc, serve_command(svc, role), ports, pool.resources, pool.env,
+                           mounts=[*_scratch_mounts(), {"name": "dshm", "mountPath": "/dev/shm"},
+                                   *mounts],
+                           startup=WORKER_STARTUP)
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [*_scratch_volumes(),
+                    {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                  "sizeLimit": pool.shared_memory_size}},
+                    *volumes],
+        "terminationGracePeriodSeconds": 60,
+        **_pod_basics(),
+    }
+    if init:
+        spec["initContainers"] = init
+    if pool.node_selector:
+        spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        spec["tolerations"] = copy.deepcopy(list(pool.tolerations))
+    generated = {"metadata": _pod_metadata(svc, role), "spec": spec}
+    pod: dict[str, Any] = merge(generated, pool.template)
+    pod["metadata"]["labels"].update(labels(svc, role))  # the selector must keep matching
+    return pod
+
+
+def build_router_pod(svc: InferenceService) -> dict[str, Any]:
+    container = _container(svc, router_command(svc), [_port("http", HTTP_PORT)],
+                           svc.router.resources, svc.router.env,
+                           mounts=_scratch_mounts(), startup=ROUTER_STARTUP)
+    spec = {"containers": [container], "volumes": _scratch_volumes(),
+            "terminationGracePeriodSeconds": 30, **_pod_basics()}
+    return {"metadata": _pod_metadata(svc, "router"), "spec": spec}
+
+
+def merge(base: Any, override: Any) -> Any:
+    """The one merge rule for user templates and env: `override` wins; mappings merge key by
+    key; lists whose items all carry a `name` merge item by item on it (new names are
+    appended, so a template container named "main" merges into the runtime container and
+    any other becomes a sidecar); every other value, lists included, is replaced."""
+    if isinstance(base, Mapping) and isinstance(override, Mapping):
+        out = {k: copy.deepcopy(v) for k, v in base.items()}
+        for key, value in override.items():
+            out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if _named_list(base) and _named_list(override):
+        merged = [copy.deepcopy(item) for item in base]
+        index = {item["name"]: i for i, item in enumerate(merged)}
+        for item in override:
+            if item["name"] in index:
+                merged[index[item["name"]]] = merge(merged[index[item["name"]]], item)
+            else:
+                merged.append(copy.deepcopy(item))
+        return merged
+    return copy.deepcopy(override)
+
+
+def _named_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, Mapping) and isinstance(item.get("name"), str) for item in value)
+
+
+def _container(svc: InferenceService, command: list[str], ports: list[dict[str, Any]],
+               resources: Mapping[str, Any], env: tuple[Mapping[str, Any], ...], *,
+               mounts: list[dict[str, Any]], startup: Mapping[str, int]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": svc.image,
+        "imagePullPolicy": svc.image_pull_policy,
+        "command": command[:1],
+        "args": command[1:],
+        "ports": ports,
+        "env": merge([dict(e) for e in CACHE_ENV], [dict(e) for e in env]),
+        "volumeMounts": mounts,
+        "startupProbe": _http_probe("/health", timeoutSeconds=5, **startup),
+        "readinessProbe": _http_probe("/ready", periodSeconds=5, failureThreshold=3,
+                                      timeoutSeconds=5),
+        "livenessProbe": _http_probe("/health", periodSeconds=10, failureThreshold=3,
+                                     timeoutSeconds=5),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+    if resources:
+        container["resources"] = copy.deepcopy(dict(resources))
+    return container
+
+
+def _model_source(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                  list[dict[str, Any]]]:
+    """Volumes, main-container mounts and init containers that put the model at /models."""
+    model = svc.model
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if model.kind == "pvc":
+        claim = {"claimName": model.location, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}], [mount], []
+    if model.kind == "file":
+        host = {"path": model.location, "type": "Directory"}
+        return [{"name": "model", "hostPath": host}], [mount], []
+    if model.kind == "hf":
+        return [{"name": "model", "emptyDir": {}}], [mount], [_model_pull(svc)]
+    return [], [], []  # builtin: shipped in the image, converted into the cache on start
+
+
+def _model_pull(svc: InferenceService) -> dict[str, Any]:
+    env = [dict(e) for e in CACHE_ENV]
+    secret = svc.model.token_secret
+    if secret is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret.name, "key": secret.key}}})
+    return {
+        "name": "model-pull",
+        "image": svc.image,
+        "imagePullPolicy": svc.image_pull_policy,
+        "command": ["baton"],
+        "args": ["model", "pull", svc.model.uri, "--dest", svc.model.model_arg],
+        "env": env,
+        "volumeMounts": [*_scratch_mounts(), {"name": "model", "mountPath": MODEL_MOUNT}],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def _pod_metadata(svc: InferenceService, role: Role) -> dict[str, Any]:
+    return {"labels": labels(svc, role),
+            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER}}
+
+
+def _pod_basics() -> dict[str, Any]:
+    return {
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        "automountServiceAccountToken": False,  # the runtime never talks to the API
+        "enableServiceLinks": False,
+    }
+
+
+def _scratch_volumes() -> list[dict[str, Any]]:
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+
+
+def _scratch_mounts() -> list[dict[str, Any]]:
+    return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+
+
+def _port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _http_probe(path: str, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, **timing}

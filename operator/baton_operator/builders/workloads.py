@@ -1,0 +1,74 @@
+"""Deployments, HorizontalPodAutoscalers and PodDisruptionBudgets of the three pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton_operator.builders.common import child_name, metadata, selector_labels
+from baton_operator.builders.pods import build_router_pod, build_worker_pod
+from baton_operator.spec import InferenceService, Role
+
+# Workers load a model before they turn ready; give a rollout that long before it is stuck.
+WORKER_PROGRESS_DEADLINE = 1800
+ROUTER_PROGRESS_DEADLINE = 600
+
+
+def build_deployment(svc: InferenceService, role: Role) -> dict[str, Any]:
+    """A pool's Deployment. With autoscaling on, `spec.replicas` is left to the HPA."""
+    if role == "router":
+        template = build_router_pod(svc)
+        surge, unavailable, deadline = "25%", 0, ROUTER_PROGRESS_DEADLINE
+    else:
+        pool = svc.pool(role)
+        template = build_worker_pod(svc, role)
+        surge, unavailable = pool.max_surge, pool.max_unavailable
+        deadline = WORKER_PROGRESS_DEADLINE
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(svc, role)},
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}},
+        "revisionHistoryLimit": 5,
+        "progressDeadlineSeconds": deadline,
+        "template": template,
+    }
+    if role not in svc.autoscaling:
+        spec = {"replicas": svc.replicas(role), **spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(svc, child_name(svc, role), role), "spec": spec}
+
+
+def build_hpa(svc: InferenceService, role: Role) -> dict[str, Any] | None:
+    """autoscaling/v2 HPA on average CPU or memory utilization; None when not autoscaled."""
+    scale = svc.autoscaling.get(role)
+    if scale is None:
+        return None
+    name = child_name(svc, role)
+    metric = {"type": "Resource", "resource": {
+        "name": scale.metric,
+        "target": {"type": "Utilization", "averageUtilization": scale.target}}}
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(svc, name, role),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": scale.min,
+            "maxReplicas": scale.max,
+            "metrics": [metric],
+        },
+    }
+
+
+def build_pdb(svc: InferenceService, role: Role) -> dict[str, Any] | None:
+    """At most one pod of a pool disrupted at a time; only for pools that can have two or
+    more pods (with one pod, `maxUnavailable: 1` protects nothing)."""
+    scale = svc.autoscaling.get(role)
+    most = scale.max if scale is not None else svc.replicas(role)
+    if most < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(svc, child_name(svc, role), role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(svc, role)}},
+    }

@@ -1,0 +1,182 @@
+"""Level-based status: recomputed from the child Deployments every time, never accumulated.
+
+`compute_status()` is a pure function of the parsed service, the three Deployments as the API
+returns them, and the previous status (only to keep `lastTransitionTime` of conditions whose
+status did not change), so any number of event or timer refreshes converge on one answer.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from baton_operator.spec import ROLES, InferenceService, Role
+
+CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded")
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What one child Deployment says about its pool."""
+
+    role: Role
+    desired: int
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    exists: bool = False
+    current: bool = False  # the Deployment controller has seen its latest spec
+    failure: str | None = None  # why the rollout is stuck, from the Deployment's conditions
+
+    @classmethod
+    def from_deployment(cls, role: Role, deployment: Mapping[str, Any] | None,
+                        fallback_desired: int) -> PoolState:
+        if deployment is None:
+            return cls(role=role, desired=fallback_desired)
+        spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
+        generation = (deployment.get("metadata") or {}).get("generation", 0)
+        return cls(
+            role=role,
+            desired=int(spec.get("replicas", fallback_desired)),
+            replicas=int(status.get("replicas", 0)),
+            ready=int(status.get("readyReplicas", 0)),
+            updated=int(status.get("updatedReplicas", 0)),
+            exists=True,
+            current=int(status.get("observedGeneration", 0)) >= int(generation),
+            failure=_failure(status.get("conditions") or []),
+        )
+
+    @property
+    def settled(self) -> bool:
+        """Rolled out: every pod runs the latest template and no old pod is left."""
+        return (self.exists and self.current and self.updated >= self.desired
+                and self.replicas <= self.updated)
+
+    @property
+    def available(self) -> bool:
+        return self.settled and self.ready >= self.desired
+
+    @property
+    def reason(self) -> str:
+        if not self.exists or not self.settled:
+            return "Updating"
+        return "ReplicasReady" if self.available else "PodsNotReady"
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"replicas": self.replicas, "readyReplicas": self.ready,
+                "updatedReplicas": self.updated}
+
+    def describe(self) -> str:
+        return f"{self.role} {self.ready}/{self.desired} ready"
+
+
+def compute_status(svc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
+                   previous: Mapping[str, Any], observed_generation: int,
+                   now: str | None = None) -> dict[str, Any]:
+    """The whole `status` of a valid service, from its child Deployments."""
+    pools = {role: PoolState.from_deployment(role, deployments.get(role), _fallback(svc, role))
+             for role in ROLES}
+    summary = ", ".join(pool.describe() for pool in pools.values())
+    failures = [f"{p.role}: {p.failure}" for p in pools.values() if p.failure]
+    ready, reason = _overall(pools)
+    fresh = [
+        _condition("Ready", ready, reason, summary),
+        *(_condition(f"{role.capitalize()}Ready", pool.available, pool.reason, pool.describe())
+          for role, pool in pools.items()),
+        _progressing(pools, failures, summary),
+        _condition("Degraded", bool(failures), "RolloutFailed" if failures else "AsExpected",
+                   "; ".join(failures) or "no pool reports a failed rollout"),
+    ]
+    if ready:
+        phase = "Ready"
+    elif failures:
+        phase = "Degraded"
+    elif not any(pool.ready for pool in pools.values()):
+        phase = "Pending"
+    else:
+        phase = "Progressing"
+    return {
+        "phase": phase,
+        "observedGeneration": observed_generation,
+        "url": svc.url,
+        **{role: pool.counts for role, pool in pools.items()},
+        "conditions": _stamp(fresh, previous, observed_generation, now),
+    }
+
+
+def invalid_status(message: str, generation: int, previous: Mapping[str, Any],
+                   now: str | None = None) -> dict[str, Any]:
+    """Status of a spec that can never work: Ready=False/InvalidSpec, nothing else touched."""
+    fresh = [_condition("Ready", False, "InvalidSpec", message),
+             _condition("Progressing", False, "InvalidSpec", "fix the spec to continue")]
+    kept = [c for c in previous.get("conditions") or []
+            if c.get("type") not in ("Ready", "Progressing")]
+    status = {k: v for k, v in previous.items() if k != "kopf"}
+    status.update(phase="Failed", observedGeneration=generation,
+                  conditions=_stamp(fresh, previous, generation, now) + kept)
+    return status
+
+
+def same_status(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Whether writing `new` would change anything we own in `old`."""
+    return all(old.get(key) == value for key, value in new.items())
+
+
+def condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return {}
+
+
+def _overall(pools: Mapping[Role, PoolState]) -> tuple[bool, str]:
+    if not all(pool.settled for pool in pools.values()):
+        return False, "Updating"
+    if not all(pool.available for pool in pools.values()):
+        return False, "PodsNotReady"
+    if not all(pool.ready > 0 for pool in pools.values()):
+        return False, "ScaledToZero"
+    return True, "AllPoolsReady"
+
+
+def _progressing(pools: Mapping[Role, PoolState], failures: list[str], summary: str
+                 ) -> dict[str, Any]:
+    if failures:
+        return _condition("Progressing", False, "ProgressDeadlineExceeded", "; ".join(failures))
+    if all(pool.available for pool in pools.values()):
+        return _condition("Progressing", False, "Complete", summary)
+    return _condition("Progressing", True, "RollingOut", summary)
+
+
+def _failure(conditions: list[Mapping[str, Any]]) -> str | None:
+    for cond in conditions:
+        stuck = cond.get("type") == "Progressing" and cond.get("status") == "False"
+        failed = cond.get("type") == "ReplicaFailure" and cond.get("status") == "True"
+        if stuck or failed:
+            return f"{cond.get('reason', cond.get('type'))}: {cond.get('message', '')}".strip()
+    return None
+
+
+def _fallback(svc: InferenceService, role: Role) -> int:
+    scale = svc.autoscaling.get(role)
+    return scale.min if scale is not None else svc.replicas(role)
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason,
+            "message": message}
+
+
+def _stamp(fresh: list[dict[str, Any]], previous: Mapping[str, Any], generation: int,
+           now: str | None) -> list[dict[str, Any]]:
+    """Add observedGeneration and lastTransitionTime (kept while the status is unchanged)."""
+    stamp = now or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = []
+    for cond in fresh:
+        old = condition(previous, cond["type"])
+        since = old.get("lastTransitionTime") if old.get("status") == cond["status"] else None
+        out.append({**cond, "lastTransitionTime": since or stamp, "observedGeneration": generation})
+    return out

@@ -1,0 +1,105 @@
+"""ModelRunner: weights, KV pool, attention and sampler backends behind one call.
+
+`forward_batch(batch) -> ForwardOutput` runs the model on the batch's new tokens, applies
+penalties, samples, and computes logprobs when asked. It keeps no per-request state except the
+penalty rows (see PenaltyState), so the scheduler can be tested against a fake runner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from runtime.attention.base import create_attention_backend
+from runtime.config import EngineConfig, ModelConfig
+from runtime.engine.forward_batch import ForwardBatch, ForwardOutput
+from runtime.engine.penalty import PenaltyState
+from runtime.engine.sampler import create_sampler_backend
+from runtime.kvcache.allocator import PageAllocator
+from runtime.kvcache.manager import KVCacheManager
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.models.llama import LlamaModel
+from runtime.models.prepare import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return _DTYPES[name]
+
+
+def _eos_token_ids(path: Path, mc: ModelConfig) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's (HF generate stops on the latter)."""
+    ids = list(mc.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_running_requests: int) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path: Path = resolve_model_path(config.model)
+        self.model_config = mc = ModelConfig.from_dir(self.model_path)
+        self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.model = LlamaModel(mc, self.model_path, self.dtype, config.device)
+        num_pages = max(1, config.max_total_tokens // config.page_size)
+        self.pool = KVPool(
+            mc.num_layers, num_pages * config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
+        )
+        self.kv = KVCacheManager(
+            PageAllocator(num_pages, config.page_size),
+            ReqToTokenPool(max_running_requests, self.context_len, config.device),
+        )
+        self.attn = create_attention_backend(
+            config.attention_backend, self.pool, self.kv.req_to_token, mc.head_dim**-0.5
+        )
+        self.sampler = create_sampler_backend(config.sampler_backend, mc.vocab_size)
+        self.penalties = PenaltyState(max_running_requests, mc.vocab_size)
+        self.eos_token_ids = _eos_token_ids(self.model_path, mc)
+        log.info(
+            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s",
+            self.model_path, mc.num_layers, self.pool.num_slots,
+            self.pool.num_slots * self.pool.bytes_per_slot / 2**20, self.dtype,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: ForwardBatch) -> ForwardOutput:
+        rows = None
+        if batch.mode == "extend":
+            rows = torch.tensor(batch.extend_lens).cumsum(0) - 1  # last new token of each request
+        logits = self.model.forward(batch, self.attn, rows)  # [B, vocab]
+        info = batch.sampling
+        if info.penalty_resets:
+            self.penalties.reset(info.penalty_resets)
+        sample_logits = logits
+        if info.need_penalties:
+            if batch.mode == "decode":
+                self.penalties.accumulate(batch.req_pool_indices, batch.input_ids)
+            sample_logits = self.penalties.apply(logits, batch.req_pool_indices, info)
+        out = self.sampler.sample(sample_logits, info)
+        result = ForwardOutput(out.next_token_ids, customized_info=out.customized_info)
+        if batch.return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            result.logprobs = logprobs.gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)
+            if batch.top_logprobs_num:
+                values, ids = logprobs.topk(batch.top_logprobs_num, dim=-1)
+                result.top_logprobs = (values, ids)
+        return result

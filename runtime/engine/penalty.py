@@ -1,0 +1,59 @@
+"""Repetition / frequency / presence penalties with per-request state.
+
+State lives in rows indexed by the request's req_pool_idx, so filtering or merging batches needs
+no bookkeeping here, and only the forward thread ever touches it (no race with the scheduler in
+overlap mode). Decode steps accumulate from the batch's `input_ids`: the tokens sampled last step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.forward_batch import SamplingBatchInfo
+
+
+class PenaltyState:
+    def __init__(self, max_reqs: int, vocab_size: int) -> None:
+        self.max_reqs = max_reqs
+        self.vocab_size = vocab_size
+        self.seen: torch.Tensor | None = None  # [max_reqs, V] bool: prompt + output tokens
+        self.counts: torch.Tensor | None = None  # [max_reqs, V] int32: output tokens
+
+    def _ensure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.seen is None or self.counts is None:
+            shape = (self.max_reqs, self.vocab_size)
+            self.seen = torch.zeros(shape, dtype=torch.bool)
+            self.counts = torch.zeros(shape, dtype=torch.int32)
+        return self.seen, self.counts
+
+    def reset(self, resets: list[tuple[int, list[int], list[int]]]) -> None:
+        """Start rows afresh: (row, prompt tokens, output tokens so far)."""
+        seen, counts = self._ensure()
+        for row, prompt, output in resets:
+            seen[row].zero_()
+            counts[row].zero_()
+            if prompt or output:
+                seen[row, torch.tensor(prompt + output, dtype=torch.int64)] = True
+            if output:
+                counts[row].index_add_(
+                    0, torch.tensor(output, dtype=torch.int64), torch.ones(len(output), dtype=torch.int32)
+                )
+
+    def accumulate(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each row's newest output token (decode input_ids, already resolved)."""
+        seen, counts = self._ensure()
+        seen[rows, tokens] = True
+        counts[rows, tokens] += 1
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        assert info.repetition_penalties is not None
+        assert info.frequency_penalties is not None and info.presence_penalties is not None
+        seen, counts = self._ensure()
+        seen_rows, count_rows = seen[rows], counts[rows].float()  # [B, V]
+        rep = info.repetition_penalties.unsqueeze(1)
+        # HF semantics: divide positive logits, multiply negative ones, for every token seen.
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen_rows, penalized, logits)
+        # OpenAI semantics on output tokens only.
+        logits = logits - info.frequency_penalties.unsqueeze(1) * count_rows
+        return logits - info.presence_penalties.unsqueeze(1) * (count_rows > 0).float()

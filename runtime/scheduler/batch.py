@@ -1,0 +1,140 @@
+"""ScheduleBatch: the requests of one forward and the tokens that bridge iterations.
+
+`input_ids` is the only cross-iteration token bridge (seed 003): when a forward ends it holds the
+batch's next tokens — real ids, or in overlap mode `-future_index` placeholders that
+FutureMap.resolve_future swaps for real ids right before the next forward. There is no
+`output_ids` on the batch. `filter_batch` and `merge_batch` keep it aligned with `reqs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from runtime.kvcache.manager import KVCacheManager
+from runtime.scheduler.req import Req
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req] = field(default_factory=list)
+    mode: ForwardMode = "decode"
+    input_ids: torch.Tensor | None = None  # [B] after a forward (see module docstring)
+    # Extend only: new tokens per request, and whether this chunk completes the prompt.
+    extend_lens: list[int] = field(default_factory=list)
+    is_last_chunk: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ---- shape changes that keep input_ids aligned -------------------------------------------
+    def filter_batch(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (indices into reqs), in that order."""
+        if keep == list(range(len(self.reqs))):
+            return
+        self.reqs = [self.reqs[i] for i in keep]
+        if not self.reqs:
+            self.input_ids = None
+        elif self.input_ids is not None:
+            self.input_ids = self.input_ids[torch.tensor(keep, dtype=torch.int64)]
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        """Append `other`'s requests. A side with requests must carry its input_ids when the
+        other side does: merging would otherwise silently misalign tokens and requests."""
+        if other.is_empty():
+            return
+        if self.is_empty():
+            self.input_ids = other.input_ids
+        elif self.input_ids is None and other.input_ids is None:
+            pass
+        elif self.input_ids is None or other.input_ids is None:
+            side = "left" if self.input_ids is None else "right"
+            raise ValueError(f"merge_batch: {side} batch has requests but no input_ids")
+        else:
+            self.input_ids = torch.cat([self.input_ids, other.input_ids])
+        self.reqs = self.reqs + other.reqs
+
+    # ---- building forwards --------------------------------------------------------------------
+    def prepare_for_extend(self, kv: KVCacheManager) -> ForwardBatch:
+        """Give each request slots for its chunk and build the flat token batch."""
+        self.mode = "extend"
+        tokens: list[int] = []
+        positions, slots, resets = [], [], []
+        for req, n in zip(self.reqs, self.extend_lens, strict=True):
+            start = req.kv_len
+            if start == 0:
+                req.is_retracted = False
+            tokens.extend(req.fill_ids[start : start + n])
+            positions.append(torch.arange(start, start + n, dtype=torch.int64))
+            slots.append(kv.grow(req, start + n))
+        self.input_ids = torch.tensor(tokens, dtype=torch.int64)
+        for req, last in zip(self.reqs, self.is_last_chunk, strict=True):
+            if last and req.sampling_params.uses_penalties:
+                assert req.req_pool_idx is not None
+                resets.append((req.req_pool_idx, req.origin_input_ids, list(req.output_ids)))
+        return self._forward_batch(torch.cat(positions), torch.cat(slots), self.extend_lens, resets)
+
+    def prepare_for_decode(self, kv: KVCacheManager) -> ForwardBatch:
+        """One new token per request: the one input_ids carries from the last forward."""
+        self.mode = "decode"
+        if self.input_ids is None or len(self.input_ids) != len(self.reqs):
+            raise RuntimeError("decode batch without one input token per request")
+        positions = torch.tensor([r.kv_len for r in self.reqs], dtype=torch.int64)
+        slots = kv.grow_one_each(self.reqs)  # type: ignore[arg-type]
+        return self._forward_batch(positions, slots, [1] * len(self.reqs), [])
+
+    def _forward_batch(
+        self,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        extend_lens: list[int],
+        resets: list[tuple[int, list[int], list[int]]],
+    ) -> ForwardBatch:
+        assert self.input_ids is not None
+        reqs = self.reqs
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=self.input_ids,
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+            seq_lens=[r.kv_len for r in reqs],
+            extend_lens=list(extend_lens),
+            sampling=build_sampling_info(reqs, resets),
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+        )
+
+
+def build_sampling_info(
+    reqs: list[Req], resets: list[tuple[int, list[int], list[int]]]
+) -> SamplingBatchInfo:
+    params = [r.sampling_params for r in reqs]
+    temps = [0.0 if p.is_greedy else p.temperature for p in params]
+    vocab_cap = 1 << 30  # "no top-k": larger than any vocabulary
+    info = SamplingBatchInfo(
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_cap for p in params]),
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+        # the sampled token lands right after the last cached position
+        sample_positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64),
+        all_greedy=all(t == 0.0 for t in temps),
+        need_top_k=any(p.top_k > 0 for p in params),
+        need_top_p=any(p.top_p < 1.0 for p in params),
+        need_min_p=any(p.min_p > 0.0 for p in params),
+        penalty_resets=resets,
+        rids=[r.rid for r in reqs],
+        bootstrap_rooms=[r.bootstrap_room for r in reqs],
+    )
+    if any(p.uses_penalties for p in params):
+        info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params])
+        info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params])
+        info.presence_penalties = torch.tensor([p.presence_penalty for p in params])
+    return info

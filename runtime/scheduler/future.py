@@ -1,0 +1,40 @@
+"""FutureMap: placeholders for tokens that an in-flight forward has not produced yet (overlap).
+
+When step N is launched, its batch gets `input_ids = -future_indices` (the one sanctioned use of a
+sign as meaning, STYLE.md): slot i of the map will hold row i's next token once step N finishes.
+Step N+1 is scheduled meanwhile; right before it runs (on the forward thread, after step N),
+`resolve_future` swaps every negative id for the stored token. Index 0 is never handed out, so
+every placeholder is strictly negative and every real token id is >= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FutureMap:
+    def __init__(self, max_batch: int) -> None:
+        # Two batches are in flight at most; a ring of 4x the widest batch never laps itself.
+        self.size = 4 * max_batch + 1
+        self.tokens = torch.zeros(self.size, dtype=torch.int64)  # [size] slot -> token id
+        self._next = 1
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Reserve n consecutive slots; returns their indices ([n] int64, all >= 1)."""
+        if n > self.size - 1:
+            raise ValueError(f"batch of {n} exceeds the future map ({self.size - 1} slots)")
+        if self._next + n > self.size:
+            self._next = 1
+        idx = torch.arange(self._next, self._next + n, dtype=torch.int64)
+        self._next += n
+        return idx
+
+    def store(self, indices: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.tokens[indices] = tokens
+
+    def resolve_future(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Return input_ids with each -index placeholder replaced by the token stored at index."""
+        placeholders = input_ids < 0
+        if not bool(placeholders.any()):
+            return input_ids
+        return torch.where(placeholders, self.tokens[(-input_ids).clamp(min=0)], input_ids)

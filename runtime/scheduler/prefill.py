@@ -1,0 +1,70 @@
+"""PrefillAdder: which waiting requests join the next prefill, and how much of each.
+
+Admission is by KV budget: a request joins if its chunk fits in the free pages left after
+reserving room for the running requests to keep decoding (`new_token_ratio` of what they may still
+generate, clipped). Estimates can be wrong; decode retracts when they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from runtime.kvcache.manager import KVCacheManager
+from runtime.scheduler.batch import ScheduleBatch
+from runtime.scheduler.req import Req
+
+DECODE_RESERVE_CLIP = 256  # tokens: reserve no more than this per request
+
+
+def decode_reserve_tokens(reqs: Iterable[Req], ratio: float) -> int:
+    return int(
+        sum(
+            min(r.sampling_params.max_new_tokens - len(r.output_ids), DECODE_RESERVE_CLIP)
+            for r in reqs
+        )
+        * ratio
+    )
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        token_budget: int,
+        max_new_reqs: int,
+        reserved_tokens: int,
+        ratio: float,
+        nothing_running: bool,
+    ) -> None:
+        self.kv = kv
+        self.budget = token_budget
+        self.max_new_reqs = max_new_reqs
+        self.ratio = ratio
+        self.free_pages = kv.allocator.available_pages - kv.allocator.pages_for(reserved_tokens)
+        self.nothing_running = nothing_running
+        self.batch = ScheduleBatch(mode="extend")
+        self.chunked: Req | None = None  # the request left partially prefilled, if any
+
+    def add(self, req: Req) -> bool:
+        """Try to add (a chunk of) req; False means stop adding."""
+        if len(self.batch) >= self.max_new_reqs or self.budget <= 0:
+            return False
+        remaining = len(req.fill_ids) - req.kv_len
+        n = min(remaining, self.budget)
+        pages = self.kv.pages_needed(req, req.kv_len + n)
+        is_last = n == remaining
+        reserve = 0
+        if is_last:
+            reserve = self.kv.allocator.pages_for(decode_reserve_tokens([req], self.ratio))
+        alone = self.nothing_running and self.batch.is_empty()
+        # Alone, a request may ignore the decode estimate: nothing else could make room.
+        if pages > self.free_pages or (pages + reserve > self.free_pages and not alone):
+            return False
+        self.free_pages -= pages + reserve
+        self.budget -= n
+        self.batch.reqs.append(req)
+        self.batch.extend_lens.append(n)
+        self.batch.is_last_chunk.append(is_last)
+        if not is_last:
+            self.chunked = req
+        return is_last

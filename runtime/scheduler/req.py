@@ -1,0 +1,94 @@
+"""Req: one generation request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.scheduler.sampling_params import SamplingParams
+
+FinishKind = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: FinishKind
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None  # why, for aborts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "matched": self.matched, "message": self.message}
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    bootstrap_room: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+    # KV state (owned by KVCacheManager): table row, pages, and tokens whose KV is (being) written.
+    req_pool_idx: int | None = None
+    kv_pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    # Set when the scheduler evicts the request to free KV; results of batches that were already
+    # in flight for it are dropped, and it re-prefills prompt + output later.
+    is_retracted: bool = False
+    # Per-token outputs beyond the ids.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    customized_info: dict[str, list[Any]] = field(default_factory=dict)
+    # How many output tokens have been sent out (OutputStreamer's cursor).
+    sent_len: int = 0
+    seed: int = field(default_factory=lambda: random.getrandbits(63))
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.seed = self.sampling_params.seed
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV must be cached before the next token is sampled."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def check_finished(
+        self,
+        eos_ids: tuple[int, ...],
+        context_len: int,
+        decode_tail: Callable[[list[int]], str] | None,
+    ) -> None:
+        """Set finished_reason after the newest output token, if it ends the request."""
+        if self.finished:
+            return
+        sp, last = self.sampling_params, self.output_ids[-1]
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+        elif sp.stop and decode_tail is not None and (hit := self._stop_string(decode_tail)):
+            self.finished_reason = FinishReason("stop", matched=hit)
+        elif len(self.output_ids) >= sp.max_new_tokens or self.seq_len >= context_len:
+            self.finished_reason = FinishReason("length")
+
+    def _stop_string(self, decode_tail: Callable[[list[int]], str]) -> str | None:
+        longest = max(len(s) for s in self.sampling_params.stop)
+        # Tokens decode to >= 1 character except pieces of a multi-byte character: the margin
+        # keeps the window wide enough to hold the longest stop string.
+        tail = decode_tail(self.output_ids[-(longest + 8) :])
+        return next((s for s in self.sampling_params.stop if s in tail), None)
+
+    def reset_for_retract(self) -> None:
+        self.is_retracted = True
+        self.kv_len = 0

@@ -1,0 +1,258 @@
+"""Scheduler: CPU policy over a waiting queue, one running decode batch, and the KV manager.
+
+The loop reads in a breath — `step()`: schedule → launch the forward → process the previous
+result. With overlap on, the forward of step N runs on a worker thread while step N+1 is
+scheduled; step N+1's tokens come from N through FutureMap placeholders in `input_ids`.
+The scheduler never calls a device: it hands ForwardBatches to the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.config import SchedulerConfig
+from runtime.engine.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from runtime.kvcache.manager import KVCacheManager
+from runtime.messages import ReqOutput
+from runtime.scheduler.batch import ScheduleBatch
+from runtime.scheduler.future import FutureMap
+from runtime.scheduler.prefill import PrefillAdder, decode_reserve_tokens
+from runtime.scheduler.req import FinishReason, Req
+from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.scheduler.streamer import OutputStreamer
+
+log = logging.getLogger(__name__)
+
+FORWARD_TIMEOUT_S = 600.0  # one forward pass taking longer than this is a hang, not work
+
+
+class Runner(Protocol):
+    kv: KVCacheManager
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
+
+
+@dataclass
+class Launched:
+    """A forward in flight and what processing its result needs (a snapshot, not the batch)."""
+
+    reqs: list[Req]
+    mode: ForwardMode
+    is_last_chunk: list[bool]
+    result: Future[ForwardOutput]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: Runner,
+        decode_tail: Callable[[list[int]], str] | None = None,
+        streamer: OutputStreamer | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = runner.kv
+        self.decode_tail = decode_tail
+        self.streamer = streamer or OutputStreamer(
+            config.stream_interval, config.forced_stream_interval
+        )
+        self.waiting: deque[Req] = deque()
+        self.running = ScheduleBatch()
+        self.chunked_req: Req | None = None
+        self.last_extend: ScheduleBatch | None = None
+        self.pending: Launched | None = None  # overlap: the step launched but not processed
+        self.new_token_ratio = config.new_token_ratio
+        self.future_map = FutureMap(config.max_running_requests)
+        self.worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
+        )
+        self.num_retractions = 0
+        self._aborted: list[Req] = []
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+
+    def validate(self, req: Req) -> None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if n >= self.runner.context_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; the model's context is {self.runner.context_len}",
+                "prompt",
+            )
+        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.runner.vocab_size:
+            raise InvalidRequest(f"token ids must be in [0, {self.runner.vocab_size})", "input_ids")
+        need = min(n + req.sampling_params.max_new_tokens, self.runner.context_len)
+        capacity = self.kv.allocator.num_pages * self.kv.page_size
+        if need > capacity:
+            raise InvalidRequest(
+                f"prompt + max_new_tokens needs {need} KV tokens; the pool holds {capacity} "
+                "(lower max_new_tokens or raise --max-total-tokens)",
+                "max_new_tokens",
+            )
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        """Finish request `rid` with reason abort and free its KV. False if unknown."""
+        candidates = [*self.waiting, *self.running.reqs]
+        if self.chunked_req is not None:
+            candidates.append(self.chunked_req)
+        if self.last_extend is not None:
+            candidates.extend(self.last_extend.reqs)
+        req = next((r for r in candidates if r.rid == rid and not r.finished), None)
+        if req is None:
+            return False
+        req.finished_reason = FinishReason("abort", message=message)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.kv.release(req)
+        self._aborted.append(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(
+            self.waiting or self.running.reqs or self.chunked_req or self.pending or self.last_extend
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """One iteration; returns the outputs emitted by it."""
+        batch, fb = self.schedule()
+        launched = self.launch(batch, fb) if batch is not None and fb is not None else None
+        if self.worker is None:
+            done = launched
+        else:
+            done, self.pending = self.pending, launched
+        touched = self.process(done) if done is not None else []
+        if self._aborted:
+            touched = self._aborted + touched
+            self._aborted = []
+        return self.streamer.emit(touched)
+
+    def schedule(self) -> tuple[ScheduleBatch | None, ForwardBatch | None]:
+        self._fold_last_extend()
+        new = self._schedule_prefill()
+        if new is not None:
+            self.last_extend = new
+            return new, new.prepare_for_extend(self.kv)
+        if self.running.is_empty():
+            return None, None
+        self._make_decode_room()
+        self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
+        return self.running, self.running.prepare_for_decode(self.kv)
+
+    def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
+        if self.worker is None:
+            out = self.runner.forward_batch(fb)
+            batch.input_ids = out.next_token_ids
+            result: Future[ForwardOutput] = Future()
+            result.set_result(out)
+        else:
+            future_indices = self.future_map.alloc(fb.batch_size)
+            result = self.worker.submit(self._forward_in_worker, fb, future_indices)
+            # Placeholders: the next step's resolve_future swaps them for these tokens.
+            batch.input_ids = -future_indices
+        return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result)
+
+    def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
+        """Runs on the forward thread, strictly after the previous step's forward."""
+        fb.input_ids = self.future_map.resolve_future(fb.input_ids)
+        out = self.runner.forward_batch(fb)
+        self.future_map.store(future_indices, out.next_token_ids)
+        return out
+
+    def process(self, done: Launched) -> list[Req]:
+        out = done.result.result(timeout=FORWARD_TIMEOUT_S)
+        ids = out.next_token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
+        touched = []
+        for i, req in enumerate(done.reqs):
+            # Dropped: finished or aborted meanwhile, evicted, or a prompt chunk that samples nothing.
+            if req.finished or req.is_retracted:
+                continue
+            if done.mode == "extend" and not done.is_last_chunk[i]:
+                continue
+            req.output_ids.append(ids[i])
+            if req.return_logprob and logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+                if req.top_logprobs_num and top is not None:
+                    k = req.top_logprobs_num
+                    req.output_top_logprobs.append(list(zip(top[1][i][:k], top[0][i][:k], strict=True)))
+            if out.customized_info:
+                for key, values in out.customized_info.items():
+                    req.customized_info.setdefault(key, []).append(values[i])
+            req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
+            if req.finished:
+                self.kv.release(req)
+            touched.append(req)
+        return touched
+
+    # ---- policy -------------------------------------------------------------------------------
+    def _fold_last_extend(self) -> None:
+        """Requests whose prompt is now fully cached join the running decode batch."""
+        b, self.last_extend = self.last_extend, None
+        if b is not None:
+            b.filter_batch([i for i, r in enumerate(b.reqs) if b.is_last_chunk[i] and not r.finished])
+            self.running.merge_batch(b)
+        self.running.filter_batch([i for i, r in enumerate(self.running.reqs) if not r.finished])
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        running = self.running.reqs
+        adder = PrefillAdder(
+            self.kv,
+            token_budget=self.config.chunked_prefill_size,
+            max_new_reqs=self.config.max_running_requests - len(running),
+            reserved_tokens=decode_reserve_tokens(running, self.new_token_ratio),
+            ratio=self.new_token_ratio,
+            nothing_running=not running,
+        )
+        chunked, self.chunked_req = self.chunked_req, None
+        if chunked is not None and not adder.add(chunked) and adder.chunked is None:
+            self.chunked_req = chunked  # no room for its next chunk yet: decode first
+        while self.waiting and adder.chunked is None and adder.add(self.waiting[0]):
+            self.waiting.popleft()
+        if adder.chunked is not None:
+            self.chunked_req = adder.chunked
+            if self.waiting and self.waiting[0] is adder.chunked:
+                self.waiting.popleft()
+        return None if adder.batch.is_empty() else adder.batch
+
+    def _make_decode_room(self) -> None:
+        """Retract the newest requests until every running one has a slot for its next token."""
+        while True:
+            reqs = self.running.reqs
+            need = sum(1 for r in reqs if r.kv_len // self.kv.page_size >= len(r.kv_pages))
+            if need <= self.kv.allocator.available_pages:
+                return
+            if len(reqs) == 1:
+                raise RuntimeError("KV pool too small for a single request (admission bug)")
+            victim = reqs[-1]
+            self.running.filter_batch(list(range(len(reqs) - 1)))
+            self.kv.release(victim)
+            victim.reset_for_retract()
+            self.waiting.appendleft(victim)
+            self.num_retractions += 1
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+            log.info("retracted %s to free KV (%d retractions)", victim.rid, self.num_retractions)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown(wait=True, cancel_futures=True)

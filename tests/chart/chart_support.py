@@ -1,0 +1,34 @@
+"""Shared constants and helpers of the chart tests (a plain module: conftest only holds fixtures)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes_validate
+import yaml
+from baton_operator.manifests import CHART_DIR, MANIFESTS_DIR
+
+CRD_FILE = CHART_DIR / "crds" / "inferenceservices.baton.dev.yaml"
+SAMPLE_FILE = MANIFESTS_DIR / "samples" / "inferenceservice.yaml"
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
+K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+
+Render = Callable[..., list[dict[str, Any]]]
+
+
+def load_docs(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+def validate_builtin(obj: dict[str, Any]) -> None:
+    """Validate a built-in kind against the Kubernetes schemas (strict: unknown fields fail)."""
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            path = "/".join(str(p) for p in err.path)
+            raise AssertionError(
+                f"{obj['kind']} {obj['metadata']['name']} invalid for Kubernetes {version} "
+                f"at {path or '/'}: {err.message}"
+            ) from None
