@@ -110,20 +110,73 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """`baton serve` flags (DESIGN.md "CLI contract")."""
+    """`baton serve` flags (DESIGN.md "CLI contract"); argparse defaults come from these fields.
 
-    model: str = "builtin:smollm2-135m"
-    role: Role = "colocated"
+    Field names are the flags (`max_total_tokens` -> `--max-total-tokens`); `help` metadata is
+    the flag's help text.
+    """
+
+    model: str = field(default="builtin:smollm2-135m", metadata={"help": "HF folder or builtin:NAME"})
+    role: Role = field(default="colocated", metadata={"help": "colocated serves; prefill|decode: later"})
     host: str = "127.0.0.1"
     port: int = 8000
     bootstrap_port: int = 8998
     kv_transfer: Literal["nixl", "tcp"] = "nixl"
-    served_model_name: str | None = None
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "name clients use as `model` (default: --model)"}
+    )
     max_running_requests: int = 256
-    max_total_tokens: int = 32768
+    max_total_tokens: int = field(default=32768, metadata={"help": "KV pool size in tokens"})
     chunked_prefill_size: int = 2048
     enable_overlap: bool = True
-    stream_interval: int = 1
-    dtype: str = "auto"
+    stream_interval: int = field(default=1, metadata={"help": "stream every N tokens"})
+    forced_stream_interval: int = field(
+        default=64, metadata={"help": "non-streaming requests still flush every N tokens"}
+    )
+    context_length: int | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "cpu"
     page_size: int = 16
-    extra: dict[str, Any] = field(default_factory=dict)
+    attention_backend: str = "torch"
+    sampler_backend: str = field(default="torch", metadata={"help": "a registered sampler backend"})
+    plugin: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "module imported in the scheduler process first (repeatable); it may "
+                  "call register_sampler_backend"},
+    )
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (scheduler)"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger bodies get 413"})
+    request_timeout_s: float = field(
+        default=600.0, metadata={"help": "abort a request that makes no progress this long"}
+    )
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "model load + warm-up"})
+    shutdown_grace_s: float = field(
+        default=30.0, metadata={"help": "on SIGTERM, in-flight requests get this long to finish"}
+    )
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            sampler_backend=self.sampler_backend,
+            page_size=self.page_size,
+            max_total_tokens=self.max_total_tokens,
+            context_length=self.context_length,
+            num_threads=self.num_threads,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_running_requests=self.max_running_requests,
+            chunked_prefill_size=self.chunked_prefill_size,
+            enable_overlap=self.enable_overlap,
+            stream_interval=self.stream_interval,
+            forced_stream_interval=self.forced_stream_interval,
+        )

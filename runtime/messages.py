@@ -1,13 +1,16 @@
 """Messages between the HTTP process and the scheduler process (and the offline Engine).
 
 Plain dataclasses; one msgpack codec (runtime.server.codec) carries them over ZMQ.
-Outputs are incremental: each ReqOutput carries only what is new since the request's last one.
+Outputs are incremental: each ReqOutput carries only what is new since the request's last one,
+and `ReqOutput.concat` coalesces several of them into one (list-valued keys concatenated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+# ---- HTTP process -> scheduler process --------------------------------------------------------
 
 
 @dataclass
@@ -30,6 +33,45 @@ class AbortRequest:
 
 
 @dataclass
+class ShutdownRequest:
+    """Abort whatever is still in flight, free its KV, and exit the scheduler process."""
+
+    message: str = "server shutting down"
+
+
+# ---- scheduler process -> HTTP process --------------------------------------------------------
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once the model is loaded and a warm-up forward ran: the HTTP side may serve."""
+
+    context_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    max_running_requests: int
+
+
+@dataclass
+class SchedulerStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_used_pages: int = 0
+    kv_total_pages: int = 0
+    page_size: int = 1
+    kv_all_free: bool = True
+
+
+@dataclass
+class RequestError:
+    """The scheduler refused a request (InvalidRequest): nothing of it was scheduled."""
+
+    rid: str
+    message: str
+    field: str | None = None
+
+
+@dataclass
 class ReqOutput:
     rid: str
     output_ids: list[int]  # new tokens since the last ReqOutput for this rid
@@ -44,7 +86,60 @@ class ReqOutput:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    @staticmethod
+    def concat(outputs: list[ReqOutput]) -> ReqOutput:
+        """Coalesce consecutive outputs of one request into one.
+
+        Incremental keys (output_ids, logprobs, top logprobs and every customized_info key) are
+        concatenated in order; totals and the finish reason come from the last output.
+        """
+        if not outputs:
+            raise ValueError("concat needs at least one output")
+        if len(outputs) == 1:
+            return outputs[0]
+        last = outputs[-1]
+        merged = ReqOutput(
+            rid=last.rid,
+            output_ids=[t for o in outputs for t in o.output_ids],
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            finished_reason=last.finished_reason,
+        )
+        if any(o.output_logprobs is not None for o in outputs):
+            merged.output_logprobs = [x for o in outputs for x in o.output_logprobs or []]
+        if any(o.output_top_logprobs is not None for o in outputs):
+            merged.output_top_logprobs = [x for o in outputs for x in o.output_top_logprobs or []]
+        keys = dict.fromkeys(k for o in outputs for k in o.customized_info or {})
+        if keys:
+            merged.customized_info = {
+                k: [v for o in outputs for v in (o.customized_info or {}).get(k, [])] for k in keys
+            }
+        return merged
+
 
 @dataclass
 class BatchOutput:
     outputs: list[ReqOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+Message = (
+    GenerateRequest
+    | AbortRequest
+    | ShutdownRequest
+    | SchedulerReady
+    | SchedulerStats
+    | RequestError
+    | ReqOutput
+    | BatchOutput
+)
+MESSAGE_TYPES: tuple[type, ...] = (
+    GenerateRequest,
+    AbortRequest,
+    ShutdownRequest,
+    SchedulerReady,
+    SchedulerStats,
+    RequestError,
+    ReqOutput,
+    BatchOutput,
+)

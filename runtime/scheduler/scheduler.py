@@ -78,6 +78,7 @@ class Scheduler:
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         )
         self.num_retractions = 0
+        self.peak_running = 0
         self._aborted: list[Req] = []
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -153,6 +154,7 @@ class Scheduler:
         if self.running.is_empty():
             return None, None
         self._make_decode_room()
+        self.peak_running = max(self.peak_running, len(self.running))
         self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
         return self.running, self.running.prepare_for_decode(self.kv)
 

@@ -1,7 +1,15 @@
 """OutputStreamer: decides which requests emit this step and builds their incremental outputs.
 
 It holds exactly what it needs — the intervals and an optional sender — and no scheduler; the
-scheduler holds it and calls `emit` after each processed step (seed 004).
+scheduler holds it and calls `emit` with the requests a step touched (seed 004).
+
+When a request emits:
+- it finished (any reason), always;
+- streaming: its first token (time to first token), then whenever `len(output_ids)` is a multiple
+  of its stream interval (the request's `stream_interval`, else the server's);
+- non-streaming: whenever `len(output_ids)` is a multiple of `forced_interval`, so the HTTP
+  process never holds nothing for a long generation.
+Each output carries only what is new since the request's previous one (`Req.sent_len`).
 """
 
 from __future__ import annotations
@@ -22,18 +30,27 @@ class OutputStreamer:
     forced_interval: int = 64
     sender: Sender | None = None
 
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1 or self.forced_interval < 1:
+            raise ValueError("stream_interval and forced_interval must be >= 1")
+
     def interval(self, req: Req) -> int:
         if not req.stream:
             return self.forced_interval
         return req.sampling_params.stream_interval or self.stream_interval
 
     def should_emit(self, req: Req) -> bool:
-        n = len(req.output_ids)
         if req.finished:
             return True
-        return n > req.sent_len and n % self.interval(req) == 0
+        n = len(req.output_ids)
+        if n <= req.sent_len:
+            return False
+        if req.stream and req.sent_len == 0:
+            return True  # the first token goes out at once
+        return n % self.interval(req) == 0
 
     def emit(self, reqs: list[Req]) -> list[ReqOutput]:
+        """Build (and send, with a sender) the outputs of the requests due this step."""
         outputs = [self.build(r) for r in reqs if self.should_emit(r)]
         if outputs and self.sender is not None:
             self.sender(outputs)

@@ -1,0 +1,166 @@
+"""The FastAPI app: routes, error handlers, the body-size limit, and the scheduler watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.config import ServerArgs
+from runtime.server import native_api, openai_api
+from runtime.server.errors import ApiError, error_body, error_response, install_error_handlers
+from runtime.server.metrics import Metrics
+from runtime.server.sse import ClientGone
+from runtime.server.tokenizer_manager import TokenizerManager
+
+log = logging.getLogger("baton.server")
+
+WATCH_INTERVAL_S = 0.5
+PROGRESS_EVERY_S = 10.0
+SCHEDULER_EXIT_TIMEOUT_S = 15.0
+
+
+class ProcessHandle(Protocol):
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def terminate(self) -> None: ...
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            resp = error_response(self._too_large())
+            return await resp(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, self._too_large().message)
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body is larger than {self.max_bytes} bytes",
+                        code="body_too_large")
+
+
+async def _watch(app: FastAPI, proc: ProcessHandle, request_exit: Callable[[], None]) -> None:
+    """Log start-up progress; if the scheduler process dies, fail in-flight work and exit."""
+    tm: TokenizerManager = app.state.tm
+    args: ServerArgs = tm.args
+    began, next_note = time.monotonic(), PROGRESS_EVERY_S
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL_S)
+        waited = time.monotonic() - began
+        if not proc.is_alive():
+            why = f"scheduler process exited with code {proc.exitcode}"
+            log.error("%s; shutting down", why)
+            app.state.failed = True
+            tm.scheduler_died(why)
+            request_exit()
+            return
+        if not tm.ready.is_set() and tm.unavailable == "the model is still loading":
+            if waited > args.startup_timeout_s:
+                log.error("model not ready after %.0f s; shutting down", waited)
+                app.state.failed = True
+                request_exit()
+                return
+            if waited >= next_note:
+                log.info("still loading %s (%.0f s)", args.model, waited)
+                next_note += PROGRESS_EVERY_S
+        elif not app.state.announced:
+            app.state.announced = True
+            log.info("ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
+                     waited, args.model_name, args.host, args.port)
+
+
+def create_app(
+    args: ServerArgs, tm: TokenizerManager, proc: ProcessHandle, request_exit: Callable[[], None]
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tm.bind()
+        tm.start()
+        watch = asyncio.create_task(_watch(app, proc, request_exit))
+        try:
+            yield
+        finally:
+            watch.cancel()
+            await _stop_scheduler(tm, proc)
+
+    app = FastAPI(title="baton", version="0.1.0", lifespan=lifespan)
+    app.state.tm, app.state.failed, app.state.announced = tm, False, False
+    install_error_handlers(app)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    _add_probes(app, tm)
+    return app
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    return JSONResponse(error_body("client closed the connection", "client_error", "client_gone"), 499)
+
+
+async def _stop_scheduler(tm: TokenizerManager, proc: ProcessHandle) -> None:
+    if proc.is_alive():
+        tm.shutdown_scheduler()
+        deadline = time.monotonic() + SCHEDULER_EXIT_TIMEOUT_S
+        while proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if proc.is_alive():
+            log.warning("scheduler process did not exit; terminating it")
+            proc.terminate()
+    proc.join(5)
+    tm.close()
+
+
+def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
+    metrics: Metrics = tm.metrics
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if app.state.failed:
+            raise ApiError(503, tm.unavailable or "failed", "service_unavailable", "unhealthy")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        if not tm.ready.is_set() or tm.unavailable is not None:
+            raise ApiError(503, tm.unavailable or "not ready", "service_unavailable", "not_ready")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/debug/stats", include_in_schema=False)
+    async def stats() -> dict[str, Any]:
+        return {**dataclasses.asdict(tm.stats), "inflight": len(tm.states)}
+
+
+Handler = Callable[[Request], Awaitable[Response]]

@@ -1,0 +1,79 @@
+"""Prometheus metrics of one server, on its own registry (served by GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from runtime.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
+    60.0,
+)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "baton_requests", "Finished requests by status (stop, length, abort, rejected)",
+            ["status"], registry=r,
+        )
+        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("baton_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "baton_time_to_first_token_seconds", "Time to first token", registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "baton_inter_token_latency_seconds", "Time between output tokens", registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "baton_e2e_request_latency_seconds", "Request latency", registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.queue_depth = Gauge("baton_queue_depth", "Requests waiting in the scheduler", registry=r)
+        self.running = Gauge("baton_running_requests", "Requests running in the scheduler", registry=r)
+        self.inflight = Gauge("baton_inflight_requests", "Requests the HTTP side awaits", registry=r)
+        self.kv_used = Gauge("baton_kv_used_tokens", "KV slots in use (page granular)", registry=r)
+        self.kv_total = Gauge("baton_kv_total_tokens", "KV pool size in tokens", registry=r)
+        self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
+
+    def on_tokens(self, n: int, since_last: float, first: bool, ttft: float) -> None:
+        """`n` new tokens arrived `since_last` seconds after the previous ones."""
+        if n <= 0:
+            return
+        if first:
+            self.ttft.observe(ttft)
+            n -= 1  # the first token has a TTFT, not an inter-token latency
+        for _ in range(n):
+            self.itl.observe(since_last / max(n, 1))
+
+    def on_finish(self, status: str, prompt_tokens: int, completion_tokens: int, e2e: float) -> None:
+        self.requests.labels(status=status).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.e2e.observe(e2e)
+
+    def on_rejected(self) -> None:
+        self.requests.labels(status="rejected").inc()
+
+    def set_stats(self, stats: SchedulerStats) -> None:
+        self.queue_depth.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_used.set(stats.kv_used_pages * stats.page_size)
+        self.kv_total.set(stats.kv_total_pages * stats.page_size)
+        self.kv_usage.set(stats.kv_used_pages / max(stats.kv_total_pages, 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

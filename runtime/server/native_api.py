@@ -1,0 +1,91 @@
+"""Native endpoints: POST /generate (sglang-shaped) and POST /abort.
+
+/generate returns {"text", "output_ids", "meta_info"} like Engine.generate. Streaming sends the
+same shape per chunk, incrementally: each event carries only the new text, output_ids,
+logprobs and customized_info values (coalesced when several scheduler outputs queued up).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from runtime.messages import GenerateRequest
+from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
+from runtime.server import sse
+from runtime.server.errors import error_body
+from runtime.server.generation import Delta, Generation, finish, interleave, start
+from runtime.server.protocol import AbortBody, GenerateBody, check_int64
+from runtime.server.tokenizer_manager import TokenizerManager
+
+router = APIRouter()
+
+
+def result(rid: str, d: Delta) -> dict[str, Any]:
+    """Engine.generate's result shape (for a stream chunk: only what is new)."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "finish_reason": d.finish_reason,
+    }
+    if d.customized_info:
+        meta["customized_info"] = d.customized_info
+    if d.logprobs is not None:
+        meta["output_token_logprobs"] = [
+            [lp, tid] for lp, tid in zip(d.logprobs, d.output_ids, strict=True)
+        ]
+        if d.top_logprobs is not None:
+            meta["output_top_logprobs"] = [[list(x) for x in row] for row in d.top_logprobs]
+    return {"text": d.text, "output_ids": d.output_ids, "meta_info": meta}
+
+
+def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
+    try:
+        check_int64(body.sampling_params or {}, "sampling_params")
+    except ValueError as e:
+        raise InvalidRequest(str(e), "sampling_params") from None
+    SamplingParams.from_dict(body.sampling_params)  # fail fast, naming the field
+    ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
+    return GenerateRequest(
+        rid=body.rid or uuid.uuid4().hex,
+        input_ids=ids,
+        sampling_params=dict(body.sampling_params or {}),
+        stream=body.stream,
+        return_logprob=body.return_logprob or body.top_logprobs_num > 0,
+        top_logprobs_num=body.top_logprobs_num,
+        bootstrap_host=body.bootstrap_host,
+        bootstrap_port=body.bootstrap_port,
+        bootstrap_room=body.bootstrap_room,
+    )
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request) -> Response:
+    tm: TokenizerManager = request.app.state.tm
+    req = _request(tm, body)
+    gens, firsts = await sse.until_disconnect(request, start(tm, [req], tm.args.request_timeout_s))
+    if body.stream:
+        return sse.sse_response(_events(gens, firsts, req.rid))
+    [total] = await sse.until_disconnect(request, finish(gens, firsts))
+    return JSONResponse(result(req.rid, total))
+
+
+async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> AsyncIterator[str]:
+    try:
+        async for d in interleave(gens, firsts):
+            yield sse.event(result(rid, d))
+    except Exception as e:
+        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+    yield sse.DONE
+
+
+@router.post("/abort")
+async def abort(body: AbortBody, request: Request) -> dict[str, Any]:
+    """Abort a running request by rid; its KV is freed. `aborted` is false for unknown rids."""
+    tm: TokenizerManager = request.app.state.tm
+    return {"rid": body.rid, "aborted": tm.abort(body.rid, "aborted via /abort")}

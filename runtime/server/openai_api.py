@@ -1,0 +1,146 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+`n` choices and list prompts become distinct scheduler requests (choice index = prompt * n + j;
+with a `seed`, choice j samples with seed + j). Streams end in `data: [DONE]`; with
+`stream_options.include_usage` a last chunk carries `usage` and no choices.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from runtime.messages import GenerateRequest
+from runtime.scheduler.sampling_params import SamplingParams
+from runtime.server import openai_format as fmt
+from runtime.server import sse
+from runtime.server.errors import ApiError, error_body
+from runtime.server.generation import Delta, Generation, finish, interleave, start
+from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from runtime.server.tokenizer_manager import TokenizerManager
+
+router = APIRouter()
+
+
+def _tm(request: Request) -> TokenizerManager:
+    return request.app.state.tm  # type: ignore[no-any-return]
+
+
+def check_model(tm: TokenizerManager, name: str) -> None:
+    if name not in (tm.args.model_name, tm.args.model):
+        raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                       f"{tm.args.model_name!r}", code="model_not_found", param="model")
+
+
+def _requests(
+    tm: TokenizerManager, body: _SamplingFields, prompts: list[list[int]],
+    max_new: int | None, top_logprobs: int | None,
+) -> list[GenerateRequest]:
+    base = uuid.uuid4().hex
+    reqs = []
+    context = tm.info.context_len if tm.info else None
+    for p, ids in enumerate(prompts):
+        for j in range(body.n):
+            budget = max_new if max_new is not None else max(1, (context or 0) - len(ids))
+            params = body.sampling_params(budget, seed_offset=j)
+            SamplingParams.from_dict(params)  # fail fast, naming the field
+            reqs.append(GenerateRequest(
+                rid=f"{base}-{p * body.n + j}", input_ids=ids, sampling_params=params,
+                stream=body.stream, return_logprob=top_logprobs is not None,
+                top_logprobs_num=top_logprobs or 0,
+            ))
+    return reqs
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    tm = _tm(request)
+    card = {"id": tm.args.model_name, "object": "model", "created": 0, "owned_by": "baton",
+            "root": tm.args.model, "max_model_len": tm.info.context_len if tm.info else None}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    tm = _tm(request)
+    check_model(tm, body.model)
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    reqs = _requests(tm, body, prompts, body.max_tokens, body.logprobs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
+    rid = f"cmpl-{reqs[0].rid.split('-')[0]}"
+    if body.stream:
+        events = _completion_events(tm, body, gens, firsts, rid, prompt_tokens)
+        return sse.sse_response(events)
+    deltas = await sse.until_disconnect(request, finish(gens, firsts))
+    choices = [fmt.completion_choice(tm.tokenizer, d) for d in deltas]
+    out = fmt.envelope("text_completion", rid, body.model, choices)
+    out["usage"] = fmt.usage(prompt_tokens, deltas)
+    return JSONResponse(out)
+
+
+async def _completion_events(
+    tm: TokenizerManager, body: CompletionRequest, gens: list[Generation], firsts: list[Delta],
+    rid: str, prompt_tokens: int,
+) -> AsyncIterator[str]:
+    offsets = [0] * len(gens)
+    last: dict[int, Delta] = {}
+    try:
+        async for d in interleave(gens, firsts):
+            last[d.index] = d
+            if d.text or d.output_ids or d.finish_reason:
+                choice = fmt.completion_choice(tm.tokenizer, d, offsets[d.index])
+                offsets[d.index] += len(d.text)
+                yield sse.event(fmt.envelope("text_completion", rid, body.model, [choice]))
+    except Exception as e:  # mid-stream: the status line is gone, report in-band
+        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+    if body.include_usage:
+        chunk = fmt.envelope("text_completion", rid, body.model, [])
+        chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()))
+        yield sse.event(chunk)
+    yield sse.DONE
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    tm = _tm(request)
+    check_model(tm, body.model)
+    ids = tm.encode_chat([m.flat() for m in body.messages])
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    reqs = _requests(tm, body, [ids], body.max_new_tokens, top)
+    gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
+    rid = f"chatcmpl-{reqs[0].rid.split('-')[0]}"
+    if body.stream:
+        return sse.sse_response(_chat_events(tm, body, gens, firsts, rid, len(ids)))
+    deltas = await sse.until_disconnect(request, finish(gens, firsts))
+    choices = [fmt.chat_choice(tm.tokenizer, d) for d in deltas]
+    out = fmt.envelope("chat.completion", rid, body.model, choices)
+    out["usage"] = fmt.usage(len(ids), deltas)
+    return JSONResponse(out)
+
+
+async def _chat_events(
+    tm: TokenizerManager, body: ChatCompletionRequest, gens: list[Generation],
+    firsts: list[Delta], rid: str, prompt_tokens: int,
+) -> AsyncIterator[str]:
+    last: dict[int, Delta] = {}
+    try:
+        async for d in interleave(gens, firsts):
+            first = d.index not in last
+            last[d.index] = d
+            if first or d.text or d.output_ids or d.finish_reason:
+                choice = fmt.chat_chunk_choice(tm.tokenizer, d, first)
+                yield sse.event(fmt.envelope("chat.completion.chunk", rid, body.model, [choice]))
+    except Exception as e:
+        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+    if body.include_usage:
+        chunk = fmt.envelope("chat.completion.chunk", rid, body.model, [])
+        chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()))
+        yield sse.event(chunk)
+    yield sse.DONE

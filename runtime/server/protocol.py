@@ -1,0 +1,163 @@
+"""Pydantic request models: OpenAI completions / chat completions and the native /generate.
+
+Strict types (no "5" for 5), bounded integers (everything that crosses to the scheduler fits an
+int64), and the OpenAI field names; sglang's sampling extras are accepted alongside.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MAX = (1 << 63) - 1
+MAX_TOKENS_LIMIT = (1 << 31) - 1
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+Stop = str | Annotated[list[str], Field(max_length=16)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both OpenAI endpoints."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    user: str | None = None
+    # sglang extras
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    skip_special_tokens: bool | None = None
+    stream_interval: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+
+    def sampling_params(self, max_new_tokens: int | None, seed_offset: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "stop": self.stop,
+            "seed": None if self.seed is None else _wrap_int64(self.seed + seed_offset),
+        }
+        for name in (
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+            "stream_interval",
+        ):
+            params[name] = getattr(self, name)
+        return {k: v for k, v in params.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + INT64_MAX + 1) % (1 << 64) - INT64_MAX - 1
+
+
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=16)]
+)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=64)] | None = None
+    name: str | None = None
+
+    def flat(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class GenerateBody(_Strict):
+    """Native /generate: one prompt as `text` or `input_ids`, sglang's sampling_params."""
+
+    text: str | None = None
+    input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    bootstrap_room: Seed | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateBody:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+
+class AbortBody(_Strict):
+    rid: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def check_int64(value: Any, where: str) -> None:
+    """Every integer that crosses to the scheduler must fit an int64 (msgpack, torch)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueError(f"{where}: integer out of range")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_int64(v, f"{where}.{k}")
+    elif isinstance(value, list | tuple):
+        for v in value:
+            check_int64(v, where)

@@ -1,0 +1,219 @@
+"""The scheduler process: owns the ModelRunner and the Scheduler; talks to the HTTP process over ZMQ.
+
+Loop, one breath: receive (non-blocking while there is work, a bounded poll when idle) →
+`scheduler.step()` (its OutputStreamer sends the outputs) → send stats when they changed.
+Started with multiprocessing `spawn` by `runtime.server.main`; it connects, the HTTP side binds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+from dataclasses import asdict
+
+import zmq
+
+from runtime.config import ServerArgs
+from runtime.messages import (
+    AbortRequest,
+    BatchOutput,
+    GenerateRequest,
+    Message,
+    ReqOutput,
+    RequestError,
+    SchedulerReady,
+    SchedulerStats,
+    ShutdownRequest,
+)
+from runtime.server.codec import decode, encode
+
+log = logging.getLogger("baton.scheduler")
+
+IDLE_POLL_MS = 200
+SHUTDOWN_MAX_STEPS = 10_000
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], send: zmq.Socket[bytes]) -> None:
+        from runtime.engine.engine import load_tokenizer
+        from runtime.engine.model_runner import ModelRunner
+        from runtime.scheduler.scheduler import Scheduler
+        from runtime.scheduler.streamer import OutputStreamer
+
+        self.recv, self.send = recv, send
+        sched_cfg = args.scheduler_config()
+        self.runner = ModelRunner(args.engine_config(), sched_cfg.max_running_requests)
+        self.tokenizer = load_tokenizer(self.runner.model_path)
+        self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
+        self.scheduler = Scheduler(
+            sched_cfg, self.runner, decode_tail=self._decode_tail, streamer=self.streamer
+        )
+        self.active: set[str] = set()
+        self.need_step = False  # an abort leaves an output to emit even with no other work
+        self.last_stats: SchedulerStats | None = None
+        self.parent_pid = os.getppid()
+        self.stopping = False
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """One short greedy request through the whole path, so the first client pays nothing."""
+        from runtime.scheduler.req import Req
+        from runtime.scheduler.sampling_params import SamplingParams
+
+        ids = self.tokenizer.encode("Warm-up: the quick brown fox")
+        req = Req("warmup", ids, SamplingParams(max_new_tokens=2, temperature=0.0))
+        self.scheduler.add_request(req)
+        while self.scheduler.has_work():
+            self.scheduler.step()
+        self.streamer.sender = self._send_outputs
+        kv = self.runner.kv
+        self._send(
+            SchedulerReady(
+                context_len=self.runner.context_len,
+                vocab_size=self.runner.vocab_size,
+                kv_capacity_tokens=kv.allocator.num_pages * kv.page_size,
+                max_running_requests=self.scheduler.config.max_running_requests,
+            )
+        )
+        self._send_stats()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping:
+            self._receive(block=not (self.scheduler.has_work() or self.need_step))
+            if self.scheduler.has_work() or self.need_step:
+                self.need_step = False
+                self._step()
+            self._send_stats()
+        self._drain()
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception as e:
+            log.exception("scheduler step failed; aborting %d requests", len(self.active))
+            reason = {"type": "abort", "matched": None, "message": f"internal error: {e}"}
+            outs = [ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in self.active]
+            self._send_outputs(outs)
+            raise
+
+    def _receive(self, block: bool) -> None:
+        if block and not self.recv.poll(IDLE_POLL_MS):
+            if os.getppid() != self.parent_pid:
+                log.warning("HTTP process is gone; exiting")
+                self.stopping = True
+            return
+        while True:
+            try:
+                raw = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode(raw))
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            if self.scheduler.abort(msg.rid, msg.message):
+                self.need_step = True
+        elif isinstance(msg, ShutdownRequest):
+            for rid in list(self.active):
+                self.scheduler.abort(rid, msg.message)
+            self.need_step = True
+            self.stopping = True
+        else:
+            log.error("unexpected message %s", type(msg).__name__)
+
+    def _add(self, msg: GenerateRequest) -> None:
+        from runtime.scheduler.req import Req
+        from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
+
+        try:
+            if msg.rid in self.active:
+                raise InvalidRequest(f"request id {msg.rid!r} is already running", "rid")
+            req = Req(
+                rid=msg.rid,
+                origin_input_ids=list(msg.input_ids),
+                sampling_params=SamplingParams.from_dict(msg.sampling_params),
+                stream=msg.stream,
+                return_logprob=msg.return_logprob or msg.top_logprobs_num > 0,
+                top_logprobs_num=msg.top_logprobs_num,
+                bootstrap_room=msg.bootstrap_room,
+            )
+            self.scheduler.add_request(req)
+        except InvalidRequest as e:
+            self._send(RequestError(msg.rid, str(e), e.field))
+            return
+        self.active.add(msg.rid)
+
+    def _drain(self) -> None:
+        """Shutting down: run until every aborted request has emitted its last output."""
+        for _ in range(SHUTDOWN_MAX_STEPS):
+            if not (self.scheduler.has_work() or self.need_step):
+                break
+            self.need_step = False
+            self._step()
+        self._send_stats()
+
+    # ---- sending ----------------------------------------------------------------------------
+    def _send_outputs(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self.active.discard(out.rid)
+        self.last_stats = self.stats()
+        self._send(BatchOutput(outputs, self.last_stats))
+
+    def _send_stats(self) -> None:
+        stats = self.stats()
+        if stats != self.last_stats:
+            self.last_stats = stats
+            self._send(BatchOutput([], stats))
+
+    def stats(self) -> SchedulerStats:
+        alloc = self.runner.kv.allocator
+        waiting = len(self.scheduler.waiting)
+        return SchedulerStats(
+            num_waiting=waiting,
+            num_running=max(0, len(self.active) - waiting),
+            kv_used_pages=alloc.num_pages - alloc.available_pages,
+            kv_total_pages=alloc.num_pages,
+            page_size=alloc.page_size,
+            kv_all_free=self.runner.kv.is_all_free(),
+        )
+
+    def _send(self, msg: Message) -> None:
+        self.send.send(encode(msg))
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+
+
+def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+    """Process entry (spawn). Exits 0 after a ShutdownRequest or when the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent decides
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
+    )
+    for module in args.plugin:
+        importlib.import_module(module)
+    ctx = zmq.Context()
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect(in_addr)
+    send.connect(out_addr)
+    send.setsockopt(zmq.LINGER, 2000)
+    log.info("loading %s (%s)", args.model, asdict(args.engine_config()))
+    loop = SchedulerLoop(args, recv, send)
+    try:
+        loop.warm_up()
+        log.info("model loaded and warmed up")
+        loop.run()
+    finally:
+        loop.close()
+        recv.close(0)
+        send.close()
+        ctx.term()

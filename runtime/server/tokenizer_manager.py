@@ -1,0 +1,206 @@
+"""TokenizerManager: the HTTP process's side of the scheduler.
+
+It tokenizes prompts (chat template included), sends GenerateRequest/AbortRequest over ZMQ, and
+a reader task files every incoming ReqOutput under its request, recording metrics as tokens
+arrive. Consumers take a request's queued outputs coalesced into one (`ReqOutput.concat`), so a
+slow reader gets one chunk with everything new rather than a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.config import ServerArgs
+from runtime.messages import (
+    AbortRequest,
+    BatchOutput,
+    GenerateRequest,
+    Message,
+    ReqOutput,
+    RequestError,
+    SchedulerReady,
+    SchedulerStats,
+    ShutdownRequest,
+)
+from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.server.codec import CodecError, decode, encode
+from runtime.server.metrics import Metrics
+
+log = logging.getLogger("baton.server")
+
+
+class SchedulerUnavailable(RuntimeError):
+    """Not ready yet, shutting down, or the scheduler process died: a 503."""
+
+
+class RequestTimeout(TimeoutError):
+    pass
+
+
+@dataclass(eq=False)
+class ReqState:
+    rid: str
+    outputs: list[ReqOutput] = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    error: RequestError | None = None
+    finished: bool = False
+    created: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer: Any, ipc_dir: str, metrics: Metrics) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.to_scheduler = f"ipc://{ipc_dir}/to_scheduler"
+        self.from_scheduler = f"ipc://{ipc_dir}/from_scheduler"
+        self.info: SchedulerReady | None = None
+        self.stats = SchedulerStats()
+        self.states: dict[str, ReqState] = {}
+        self.unavailable: str | None = "the model is still loading"
+        self.ready = asyncio.Event()
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._reader: asyncio.Task[None] | None = None
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def bind(self) -> None:
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.bind(self.to_scheduler)
+        self._pull.bind(self.from_scheduler)
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    def shutdown_scheduler(self) -> None:
+        self.unavailable = "the server is shutting down"
+        self.send(ShutdownRequest())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._push.close(linger=1000)
+        self._pull.close(linger=0)
+
+    def scheduler_died(self, why: str) -> None:
+        """Fail every request the scheduler still owed us; serve 503s from now on."""
+        self.unavailable = why
+        self.ready.clear()
+        reason = {"type": "abort", "matched": None, "message": why}
+        for state in list(self.states.values()):
+            self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
+
+    # ---- tokenization -----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a template may reject a conversation shape (jinja raise)
+            raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, req: GenerateRequest) -> ReqState:
+        if self.unavailable is not None:
+            raise SchedulerUnavailable(self.unavailable)
+        if req.rid in self.states:
+            raise InvalidRequest(f"request id {req.rid!r} is already running", "rid")
+        state = self.states[req.rid] = ReqState(req.rid)
+        self.metrics.inflight.set(len(self.states))
+        self.send(req)
+        return state
+
+    def abort(self, rid: str, message: str = "aborted by client") -> bool:
+        state = self.states.get(rid)
+        if state is None or state.finished:
+            return False
+        self.send(AbortRequest(rid, message))
+        return True
+
+    async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:
+        """Everything queued for the request since the last call, coalesced into one output."""
+        if not state.outputs and state.error is None:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout)
+            except TimeoutError:
+                raise RequestTimeout(f"no output for {timeout:.0f} s") from None
+        state.event.clear()
+        if state.error is not None:
+            raise InvalidRequest(state.error.message, state.error.field)
+        outputs, state.outputs = state.outputs, []
+        return ReqOutput.concat(outputs)
+
+    def send(self, msg: Message) -> None:
+        self._push.send(encode(msg), zmq.NOBLOCK)
+
+    # ---- the reader -------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            raw = await self._pull.recv()
+            try:
+                self._dispatch(decode(raw))
+            except CodecError:
+                log.exception("dropping an undecodable message from the scheduler")
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, BatchOutput):
+            for out in msg.outputs:
+                self._file(out)
+            if msg.stats is not None:
+                self.stats = msg.stats
+                self.metrics.set_stats(msg.stats)
+        elif isinstance(msg, RequestError):
+            self._refused(msg)
+        elif isinstance(msg, SchedulerReady):
+            self.info = msg
+            self.unavailable = None
+            self.ready.set()
+        else:
+            log.error("unexpected message %s", type(msg).__name__)
+
+    def _file(self, out: ReqOutput) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            return  # a request we stopped waiting for (or the warm-up)
+        now = time.monotonic()
+        first = state.last_token_at is None
+        since = now - (state.last_token_at or state.created)
+        if out.output_ids:
+            self.metrics.on_tokens(len(out.output_ids), since, first, now - state.created)
+            state.last_token_at = now
+        state.outputs.append(out)
+        state.event.set()
+        if out.finished:
+            state.finished = True
+            self._forget(state)
+            status = str((out.finished_reason or {}).get("type", "abort"))
+            self.metrics.on_finish(status, out.prompt_tokens, out.completion_tokens, now - state.created)
+
+    def _refused(self, err: RequestError) -> None:
+        state = self.states.get(err.rid)
+        if state is None:
+            return
+        state.error = err
+        state.finished = True
+        state.event.set()
+        self._forget(state)
+        self.metrics.on_rejected()
+
+    def _forget(self, state: ReqState) -> None:
+        self.states.pop(state.rid, None)
+        self.metrics.inflight.set(len(self.states))
+

@@ -1,0 +1,216 @@
+"""Scheduler policy with a fake runner: admission, chunking, retraction, overlap, abort."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.config import SchedulerConfig
+from runtime.scheduler.batch import ScheduleBatch
+from runtime.scheduler.future import FutureMap
+from runtime.scheduler.req import Req
+from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
+from runtime.scheduler.scheduler import Scheduler
+from tests.scheduler.fake_runner import FakeRunner, expected_outputs
+
+
+def make_req(rid: str, prompt_len: int, max_new: int, seed: int = 0) -> Req:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(prompt_len)]
+    return Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+
+
+def run(sched: Scheduler, reqs: list[Req], max_steps: int = 10_000) -> None:
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        sched.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def assert_correct(reqs: list[Req]) -> None:
+    for r in reqs:
+        want = expected_outputs(r.origin_input_ids, r.sampling_params.max_new_tokens)
+        assert r.output_ids == want, f"{r.rid}: got {r.output_ids} want {want}"
+        assert r.finished_reason is not None and r.finished_reason.kind == "length"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_continuous_batching_outputs_and_kv_freed(overlap: bool) -> None:
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(enable_overlap=overlap), runner)
+    reqs = [make_req(f"r{i}", 3 + 5 * i, 6 + i, seed=i) for i in range(6)]
+    run(sched, reqs)
+    assert_correct(reqs)
+    assert runner.kv.is_all_free()
+    sched.shutdown()
+
+
+def test_admission_respects_max_running_requests() -> None:
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(max_running_requests=2, enable_overlap=False), runner)
+    reqs = [make_req(f"r{i}", 5, 4, seed=i) for i in range(5)]
+    run(sched, reqs)
+    assert max(b.batch_size for b in runner.batches if b.mode == "decode") <= 2
+    assert_correct(reqs)
+
+
+def test_new_requests_join_while_others_decode() -> None:
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(enable_overlap=False), runner)
+    first = make_req("first", 4, 20)
+    sched.add_request(first)
+    for _ in range(5):
+        sched.step()
+    late = make_req("late", 4, 5, seed=1)
+    run(sched, [late])
+    decode_sizes = [b.batch_size for b in runner.batches if b.mode == "decode"]
+    assert 2 in decode_sizes, "the late request never decoded alongside the first"
+    assert_correct([first, late])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chunked_prefill_respects_token_budget(overlap: bool) -> None:
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(chunked_prefill_size=8, enable_overlap=overlap), runner)
+    reqs = [make_req("long", 30, 5), make_req("short", 3, 5, seed=1)]
+    run(sched, reqs)
+    extends = [b for b in runner.batches if b.mode == "extend"]
+    assert all(sum(b.extend_lens) <= 8 for b in extends)
+    assert len(extends) >= 4  # 30 tokens in chunks of at most 8
+    assert_correct(reqs)
+    assert runner.kv.is_all_free()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_when_decode_runs_out_of_kv(overlap: bool) -> None:
+    runner = FakeRunner(num_pages=12, page_size=4)  # 48 tokens for 4 requests wanting 100
+    sched = Scheduler(SchedulerConfig(enable_overlap=overlap), runner)
+    reqs = [make_req(f"r{i}", 5, 20, seed=i) for i in range(4)]
+    run(sched, reqs)
+    assert sched.num_retractions > 0
+    assert_correct(reqs)
+    assert runner.kv.is_all_free()
+
+
+def test_request_too_big_for_pool_is_rejected_clearly() -> None:
+    sched = Scheduler(SchedulerConfig(), FakeRunner(num_pages=4, page_size=4))
+    with pytest.raises(InvalidRequest, match="pool holds 16") as e:
+        sched.add_request(make_req("big", 10, 10))
+    assert e.value.field == "max_new_tokens"
+    with pytest.raises(InvalidRequest, match="empty"):
+        sched.add_request(Req("empty", [], SamplingParams()))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_running_and_waiting_frees_kv(overlap: bool) -> None:
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(max_running_requests=1, enable_overlap=overlap), runner)
+    running, waiting = make_req("running", 6, 50), make_req("waiting", 6, 50, seed=1)
+    sched.add_request(running)
+    sched.add_request(waiting)
+    for _ in range(4):
+        sched.step()
+    assert running.kv_pages and waiting in sched.waiting
+    assert sched.abort("running") and sched.abort("waiting")
+    assert not sched.abort("nope")
+    outs = []
+    while sched.has_work():
+        outs += sched.step()
+    assert {o.rid for o in outs if o.finished} >= {"running", "waiting"}
+    assert all(o.finished_reason["type"] == "abort" for o in outs if o.finished)
+    assert runner.kv.is_all_free()
+
+
+def test_eos_stops_and_frees() -> None:
+    runner = FakeRunner()
+    req = make_req("r", 5, 30)
+    eos = expected_outputs(req.origin_input_ids, 30)[4]
+    runner.eos_token_ids = (eos,)
+    run(Scheduler(SchedulerConfig(enable_overlap=True), runner), [req])
+    assert req.output_ids == expected_outputs(req.origin_input_ids, 30, eos=eos)
+    assert req.finished_reason is not None and req.finished_reason.kind == "stop"
+    assert runner.kv.is_all_free()
+
+
+# ---- ScheduleBatch.filter_batch / merge_batch keep input_ids aligned --------------------------
+
+
+def batch_of(n: int, first: int, with_ids: bool) -> ScheduleBatch:
+    reqs = [make_req(f"q{first + i}", 2, 2) for i in range(n)]
+    ids = torch.arange(first, first + n) if with_ids else None
+    return ScheduleBatch(reqs=reqs, input_ids=ids)
+
+
+def test_filter_keeps_alignment_and_handles_none() -> None:
+    b = batch_of(4, 10, True)
+    b.filter_batch([3, 1])
+    assert [r.rid for r in b.reqs] == ["q13", "q11"]
+    assert b.input_ids is not None and b.input_ids.tolist() == [13, 11]
+    b.filter_batch([])
+    assert b.reqs == [] and b.input_ids is None
+    n = batch_of(3, 0, False)
+    n.filter_batch([2])
+    assert [r.rid for r in n.reqs] == ["q2"] and n.input_ids is None
+
+
+def test_merge_keeps_alignment_and_handles_none() -> None:
+    a, b = batch_of(2, 0, True), batch_of(2, 5, True)
+    a.merge_batch(b)
+    assert [r.rid for r in a.reqs] == ["q0", "q1", "q5", "q6"]
+    assert a.input_ids is not None and a.input_ids.tolist() == [0, 1, 5, 6]
+    empty = ScheduleBatch()
+    empty.merge_batch(batch_of(2, 7, True))  # empty side's None is irrelevant
+    assert empty.input_ids is not None and empty.input_ids.tolist() == [7, 8]
+    full = batch_of(2, 0, True)
+    full.merge_batch(ScheduleBatch())
+    assert full.input_ids is not None and full.input_ids.tolist() == [0, 1]
+    both_none = batch_of(1, 0, False)
+    both_none.merge_batch(batch_of(1, 1, False))
+    assert len(both_none) == 2 and both_none.input_ids is None
+    with pytest.raises(ValueError, match="right batch has requests but no input_ids"):
+        batch_of(1, 0, True).merge_batch(batch_of(1, 1, False))
+    with pytest.raises(ValueError, match="left batch"):
+        batch_of(1, 0, False).merge_batch(batch_of(1, 1, True))
+
+
+# ---- FutureMap ----------------------------------------------------------------------------
+
+
+def test_future_map_resolves_placeholders_and_keeps_real_tokens() -> None:
+    fm = FutureMap(max_batch=4)
+    idx = fm.alloc(3)
+    assert bool((idx >= 1).all())
+    fm.store(idx, torch.tensor([100, 200, 300]))
+    mixed = torch.cat([-idx, torch.tensor([7, 0])])
+    assert fm.resolve_future(mixed).tolist() == [100, 200, 300, 7, 0]
+    real = torch.tensor([1, 2])
+    assert fm.resolve_future(real) is real
+
+
+def test_future_map_wraps_without_handing_out_zero() -> None:
+    fm = FutureMap(max_batch=2)
+    seen = [fm.alloc(2) for _ in range(20)]
+    assert all(int(i.min()) >= 1 and int(i.max()) < fm.size for i in seen)
+    with pytest.raises(ValueError):
+        fm.alloc(fm.size)
+
+
+def test_fake_runner_notices_corrupted_kv() -> None:
+    """Guard for the tests above: misplaced KV must change the fake's tokens."""
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(enable_overlap=False), runner)
+    req = make_req("r", 6, 10)
+    sched.add_request(req)
+    for _ in range(4):
+        sched.step()
+    assert req.req_pool_idx is not None
+    row = runner.kv.req_to_token.table[req.req_pool_idx]
+    row[0], row[1] = row[1].clone(), row[0].clone()  # swap two positions' slots
+    run(sched, [])
+    with pytest.raises(AssertionError):
+        assert_correct([req])
