@@ -19,6 +19,7 @@ class TorchAttention(AttentionBackend):
         max_len = max(batch.seq_lens)
         # [B, L] slot of every position of every request (stale past each request's length)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, :max_len]
+        self.flat_slots = self.slot_table.reshape(-1)
         if batch.mode == "decode":
             valid = torch.arange(max_len)[None, :] < seq_lens[:, None]  # [B, L]
             # [B, 1, 1, L] boolean mask: True = may attend
@@ -39,9 +40,10 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
+        shape = (*self.slot_table.shape, self.pool.num_kv_heads, d)
         # [B, L, kv_heads, D] -> [B, kv_heads, L, D]
-        keys = self.pool.k[layer][self.slot_table].transpose(1, 2)
-        values = self.pool.v[layer][self.slot_table].transpose(1, 2)
+        keys = self.pool.k[layer].index_select(0, self.flat_slots).view(shape).transpose(1, 2)
+        values = self.pool.v[layer].index_select(0, self.flat_slots).view(shape).transpose(1, 2)
         mask = None if self.uniform else self.decode_mask
         out = F.scaled_dot_product_attention(
             q.view(b, h, 1, d), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True

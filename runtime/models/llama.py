@@ -16,7 +16,7 @@ from safetensors import safe_open
 from runtime.attention.base import AttentionBackend
 from runtime.config import ModelConfig
 from runtime.engine.forward_batch import ForwardBatch
-from runtime.models.rope import RotaryEmbedding
+from runtime.models.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass
@@ -82,6 +82,7 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         x = self.embed[batch.input_ids]  # [T, hidden]
         attn.begin(batch)
+        cos_sin = self.rope.lookup(batch.positions)
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [T, (H + 2KVH) * D]
@@ -89,7 +90,7 @@ class LlamaModel:
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
             v = v.view(t, c.num_kv_heads, c.head_dim)
-            q, k = self.rope(batch.positions, q, k)
+            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
             x = x + F.linear(attn.forward(i, q, k, v, batch), lw.o)
             h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)

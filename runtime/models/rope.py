@@ -51,13 +51,17 @@ class RotaryEmbedding:
         self.sin = self.sin.to(device=device, dtype=dtype)
         return self
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D], positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each token: [T, 1, D] each, broadcast over heads. Once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """x: [T, heads, D] rotated by its token's angles (HF rotate_half layout)."""
+    cos, sin = cos_sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
