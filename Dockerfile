@@ -6,10 +6,10 @@
 #   docker run --rm baton:0.1.0 operator --help       # any `baton` subcommand
 #
 # Runs as uid/gid 10001 and works with a read-only root filesystem:
-#   BATON_CACHE=/cache  baton's cache root (prepared models under /cache/models/<name>). Baked
-#                       at build time for the builtin model; mount a writable volume here only
-#                       when models must be prepared at run time (doing so hides the baked copy).
-#   /tmp                HOME, HF_HOME and XDG_CACHE_HOME point here: mount an emptyDir on it.
+#   BATON_CACHE=/opt/baton/cache  baton's cache root (prepared models under models/<name>),
+#                       baked at build time for the builtin model and read-only at run time.
+#   /tmp                HOME, HF_HOME and XDG_CACHE_HOME point here: mount an emptyDir on it
+#                       (the operator's pods also mount one at /cache for XDG_CACHE_HOME/HF_HOME).
 FROM python:3.11-slim
 
 # torch first, from the CPU wheel index (PyPI's default wheel would pull CUDA libraries).
@@ -23,14 +23,14 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    BATON_CACHE=/cache \
+    BATON_CACHE=/opt/baton/cache \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
     XDG_CACHE_HOME=/tmp/.cache
 
 RUN groupadd --system --gid 10001 baton \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin baton \
- && install -d -o 10001 -g 10001 /cache
+ && install -d -o 10001 -g 10001 /opt/baton/cache
 
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 

@@ -73,7 +73,7 @@ class PoolState:
         return f"{self.role} {self.ready}/{self.desired} ready"
 
 
-def compute_status(svc: InferenceService, deployments: Mapping[Role, Mapping[str, Any] | None],
+def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], observed_generation: int,
                    now: str | None = None) -> dict[str, Any]:
     """The whole `status` of a valid service, from its child Deployments."""

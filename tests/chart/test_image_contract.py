@@ -36,7 +36,7 @@ def test_builtin_model_pin_matches_makefile():
 
 
 def test_cache_env_and_build_context():
-    assert "BATON_CACHE=/cache" in DOCKERFILE
+    assert "BATON_CACHE=/opt/baton/cache" in DOCKERFILE
     lines = [
         line.strip()
         for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()

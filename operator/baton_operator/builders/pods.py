@@ -16,15 +16,17 @@ from baton_operator.builders.common import (
     labels,
     service_host,
 )
-from baton_operator.spec import MODEL_MOUNT, InferenceService, Role, WorkerRole
+from baton_operator.model import MODEL_MOUNT
+from baton_operator.spec import InferenceService, Role, WorkerRole
 
 CONTAINER = "main"
+MODEL_VOLUME = "models"  # holds the weights at /models, whatever the source
 CACHE_DIR = "/cache"
 POD_SECURITY_CONTEXT: dict[str, Any] = {
     "runAsNonRoot": True,
-    "runAsUser": 1000,
-    "runAsGroup": 1000,
-    "fsGroup": 1000,
+    "runAsUser": 10001,  # the image's user (Dockerfile)
+    "runAsGroup": 10001,
+    "fsGroup": 10001,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
@@ -33,10 +35,11 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
-# Writable places for a read-only root filesystem: the runtime resolves its cache from these.
+# Writable places for a read-only root filesystem. BATON_CACHE stays the image's own: the builtin
+# model is baked there at build time, and an emptyDir over it would hide it.
 CACHE_ENV: tuple[dict[str, str], ...] = (
+    {"name": "HOME", "value": "/tmp"},
     {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-    {"name": "BATON_CACHE", "value": f"{CACHE_DIR}/baton"},
     {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
 )
 # Workers: model load can take minutes (conversion, cold page cache); 10 s x 90 = 15 min.
@@ -161,20 +164,20 @@ def _model_source(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dic
                                                   list[dict[str, Any]]]:
     """Volumes, main-container mounts and init containers that put the model at /models."""
     model = svc.model
-    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}
     if model.kind == "pvc":
         claim = {"claimName": model.location, "readOnly": True}
-        return [{"name": "model", "persistentVolumeClaim": claim}], [mount], []
+        return [{"name": MODEL_VOLUME, "persistentVolumeClaim": claim}], [mount], []
     if model.kind == "file":
         host = {"path": model.location, "type": "Directory"}
-        return [{"name": "model", "hostPath": host}], [mount], []
+        return [{"name": MODEL_VOLUME, "hostPath": host}], [mount], []
     if model.kind == "hf":
-        return [{"name": "model", "emptyDir": {}}], [mount], [_model_pull(svc)]
+        return [{"name": MODEL_VOLUME, "emptyDir": {}}], [mount], [_model_pull(svc)]
     return [], [], []  # builtin: shipped in the image, converted into the cache on start
 
 
 def _model_pull(svc: InferenceService) -> dict[str, Any]:
-    env = [dict(e) for e in CACHE_ENV]
+    env: list[dict[str, Any]] = [dict(e) for e in CACHE_ENV]
     secret = svc.model.token_secret
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -186,7 +189,7 @@ def _model_pull(svc: InferenceService) -> dict[str, Any]:
         "command": ["baton"],
         "args": ["model", "pull", svc.model.uri, "--dest", svc.model.model_arg],
         "env": env,
-        "volumeMounts": [*_scratch_mounts(), {"name": "model", "mountPath": MODEL_MOUNT}],
+        "volumeMounts": [*_scratch_mounts(), {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
 
@@ -217,4 +220,5 @@ def _port(name: str, port: int) -> dict[str, Any]:
 
 
 def _http_probe(path: str, **timing: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, **timing}
+    probe: dict[str, Any] = {"httpGet": {"path": path, "port": "http"}}
+    return {**probe, **timing}

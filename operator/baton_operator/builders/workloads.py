@@ -15,6 +15,8 @@ ROUTER_PROGRESS_DEADLINE = 600
 
 def build_deployment(svc: InferenceService, role: Role) -> dict[str, Any]:
     """A pool's Deployment. With autoscaling on, `spec.replicas` is left to the HPA."""
+    surge: int | str
+    unavailable: int | str
     if role == "router":
         template = build_router_pod(svc)
         surge, unavailable, deadline = "25%", 0, ROUTER_PROGRESS_DEADLINE

@@ -1,0 +1,160 @@
+"""Test-side access to the emulated cluster through the official `kubernetes` client."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kubernetes
+import yaml
+from kopf.testing import KopfRunner
+
+NAMESPACE = "serving"  # where the tests' services live and the operator watches
+OperatorFactory = Callable[[], AbstractContextManager[KopfRunner]]
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "charts" / "baton" / "crds" / "inferenceservices.baton.dev.yaml"
+SAMPLE_FILE = REPO / "manifests" / "samples" / "inferenceservice.yaml"
+GROUP, VERSION, PLURAL = "baton.dev", "v1alpha1", "inferenceservices"
+MERGE = "application/merge-patch+json"
+T = TypeVar("T")
+
+CHILD_PLURALS = ("deployments", "services", "ingresses", "horizontalpodautoscalers",
+                 "poddisruptionbudgets")
+# What a minimal service turns into (DESIGN.md "InferenceService" children).
+CORE_CHILDREN = {
+    ("Deployment", "{n}-prefill"), ("Deployment", "{n}-decode"), ("Deployment", "{n}-router"),
+    ("Service", "{n}-prefill"), ("Service", "{n}-decode"), ("Service", "{n}"),
+}
+
+
+def wait_for(check: Callable[[], T], timeout: float = 20, what: str = "condition") -> T:
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def isvc(name: str, **spec: Any) -> dict[str, Any]:
+    body = {"model": {"uri": "builtin:smollm2-135m"},
+            "prefill": {"replicas": 1}, "decode": {"replicas": 1}, "router": {"replicas": 1}}
+    body.update(spec)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService",
+            "metadata": {"name": name}, "spec": body}
+
+
+class Cluster:
+    """The handful of calls the tests make, each returning plain dicts."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(client_configuration=config)
+        self.client = kubernetes.client.ApiClient(config)
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.apps = kubernetes.client.AppsV1Api(self.client)
+        self.core = kubernetes.client.CoreV1Api(self.client)
+        self.readers: dict[str, Callable[..., Any]] = {
+            "Deployment": self.apps.read_namespaced_deployment,
+            "Service": self.core.read_namespaced_service,
+            "Ingress": kubernetes.client.NetworkingV1Api(self.client).read_namespaced_ingress,
+            "HorizontalPodAutoscaler": kubernetes.client.AutoscalingV2Api(
+                self.client).read_namespaced_horizontal_pod_autoscaler,
+            "PodDisruptionBudget": kubernetes.client.PolicyV1Api(
+                self.client).read_namespaced_pod_disruption_budget,
+        }
+        self.listers: dict[str, Callable[..., Any]] = {
+            "Deployment": self.apps.list_namespaced_deployment,
+            "Service": self.core.list_namespaced_service,
+            "Ingress": kubernetes.client.NetworkingV1Api(self.client).list_namespaced_ingress,
+            "HorizontalPodAutoscaler": kubernetes.client.AutoscalingV2Api(
+                self.client).list_namespaced_horizontal_pod_autoscaler,
+            "PodDisruptionBudget": kubernetes.client.PolicyV1Api(
+                self.client).list_namespaced_pod_disruption_budget,
+        }
+
+    def create_namespace(self) -> None:
+        self.core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
+                                    "metadata": {"name": self.namespace}})
+
+    def install_crd(self) -> dict[str, Any]:
+        crd = yaml.safe_load(CRD_FILE.read_text())
+        api = kubernetes.client.ApiextensionsV1Api(self.client)
+        return self._plain(api.create_custom_resource_definition(crd))
+
+    # -- InferenceService ----------------------------------------------------------------
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, copy.deepcopy(body)))
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, name))
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, patch, _content_type=MERGE))
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+
+    def condition(self, name: str, kind: str) -> dict[str, Any]:
+        obj = self.get(name) or {}
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond["type"] == kind:
+                return dict(cond)
+        return {}
+
+    # -- children ------------------------------------------------------------------------
+
+    def child(self, kind: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._plain(self.readers[kind](name, self.namespace))
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def children(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every object of the child kinds in the namespace, by (kind, name)."""
+        found = {}
+        for kind, lister in self.listers.items():
+            for item in self._plain(lister(self.namespace))["items"]:
+                found[kind, item["metadata"]["name"]] = item
+        return found
+
+    def versions(self) -> dict[tuple[str, str], str]:
+        return {key: obj["metadata"]["resourceVersion"] for key, obj in self.children().items()}
+
+    def set_deployment_status(self, name: str, ready: int | None = None, **extra: Any) -> None:
+        """Report pods as the Deployment controller and kubelet would: all replicas updated,
+        `ready` of them ready (default: all), at the Deployment's current generation."""
+        dep = self.child("Deployment", name)
+        assert dep is not None, f"Deployment {name} does not exist"
+        replicas = dep["spec"].get("replicas", 1)
+        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": replicas,
+                  "updatedReplicas": replicas,
+                  "readyReplicas": replicas if ready is None else ready,
+                  "availableReplicas": replicas if ready is None else ready, **extra}
+        self.apps.patch_namespaced_deployment_status(name, self.namespace, {"status": status},
+                                                     _content_type=MERGE)
+
+    def events(self) -> list[dict[str, Any]]:
+        return self._plain(self.core.list_namespaced_event(self.namespace))["items"]
+
+    def _plain(self, model: Any) -> Any:
+        return self.client.sanitize_for_serialization(model)

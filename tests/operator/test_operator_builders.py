@@ -1,0 +1,366 @@
+"""Unit tests of the pure build_*() functions: spec in, manifests out, no API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from baton_operator.builders import (
+    build_children,
+    build_deployment,
+    build_headless_service,
+    build_hpa,
+    build_ingress,
+    build_pdb,
+    build_router_service,
+)
+from baton_operator.spec import InferenceService, parse_service
+
+UID = "6a1f0c7e-0000-4000-8000-000000000001"
+LABELS = {
+    "app.kubernetes.io/name": "baton",
+    "app.kubernetes.io/instance": "llm",
+    "app.kubernetes.io/component": None,  # filled per role
+    "app.kubernetes.io/managed-by": "baton-operator",
+    "app.kubernetes.io/part-of": "baton",
+    "baton.dev/role": None,
+}
+
+
+def service(**spec: Any) -> InferenceService:
+    spec.setdefault("model", {"uri": "builtin:smollm2-135m"})
+    return parse_service({"metadata": {"name": "llm", "namespace": "ml", "uid": UID,
+                                       "generation": 3}, "spec": spec})
+
+
+def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == "main")
+
+
+def command(deployment: dict[str, Any]) -> list[str]:
+    container = main_container(deployment)
+    return container["command"] + container["args"]
+
+
+def cli(line: str) -> list[str]:
+    """A command line as written in DESIGN.md, split into argv."""
+    return line.split()
+
+
+def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in items}
+
+
+# -- CLI contract ------------------------------------------------------------------------------
+
+def test_default_service_renders_the_cli_contract_exactly() -> None:
+    svc = service()
+    assert command(build_deployment(svc, "prefill")) == cli(
+        "baton serve --model builtin:smollm2-135m --role prefill --host 0.0.0.0 --port 8000 "
+        "--bootstrap-port 8998 --kv-transfer nixl --served-model-name smollm2-135m")
+    assert command(build_deployment(svc, "decode")) == cli(
+        "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
+        "--kv-transfer nixl --served-model-name smollm2-135m")
+    assert command(build_deployment(svc, "router")) == cli(
+        "baton router --host 0.0.0.0 --port 8000 "
+        "--prefill-dns llm-prefill.ml.svc.cluster.local:8000:8998 "
+        "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy round_robin")
+
+
+def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
+    svc = service(model={"uri": "builtin:smollm2-135m", "servedName": "smol"},
+                  kvTransfer={"backend": "tcp"},
+                  decode={"args": ["--max-running-requests", "8"]},
+                  router={"policy": "prefix", "args": ["--log-level", "debug"]})
+    assert command(build_deployment(svc, "decode")) == cli(
+        "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
+        "--kv-transfer tcp --served-model-name smol --max-running-requests 8")
+    assert command(build_deployment(svc, "router"))[-4:] == [
+        "--policy", "prefix", "--log-level", "debug"]
+
+
+def test_default_children_set() -> None:
+    kinds = sorted((c["kind"], c["metadata"]["name"]) for c in build_children(service()))
+    assert kinds == [("Deployment", "llm-decode"), ("Deployment", "llm-prefill"),
+                     ("Deployment", "llm-router"), ("Service", "llm"),
+                     ("Service", "llm-decode"), ("Service", "llm-prefill")]
+
+
+# -- pods ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+def test_pods_are_hardened(role: str) -> None:
+    dep = build_deployment(service(), role)  # type: ignore[arg-type]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for container in pod["containers"] + pod.get("initContainers", []):
+        sc = container["securityContext"]
+        assert sc["runAsNonRoot"] is True
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+    mounts = {m["mountPath"]: m["name"] for m in main_container(dep)["volumeMounts"]}
+    volumes = by_name(pod["volumes"])
+    for path in ("/tmp", "/cache"):
+        assert volumes[mounts[path]] == {"name": mounts[path], "emptyDir": {}}
+    env = {e["name"]: e.get("value") for e in main_container(dep)["env"]}
+    assert env["XDG_CACHE_HOME"] == "/cache"
+    assert "BATON_CACHE" not in env, "an override would hide the model baked into the image"
+    assert pod["securityContext"]["runAsUser"] == 10001, "the image's user (Dockerfile)"
+    assert env["HOME"] == "/tmp", "a writable home on a read-only root filesystem"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_get_shared_memory_of_the_requested_size(role: str) -> None:
+    dep = build_deployment(service(**{role: {"sharedMemorySize": "8Gi"}}), role)  # type: ignore[arg-type]
+    mounts = {m["mountPath"]: m["name"] for m in main_container(dep)["volumeMounts"]}
+    shm = by_name(dep["spec"]["template"]["spec"]["volumes"])[mounts["/dev/shm"]]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    other = "decode" if role == "prefill" else "prefill"
+    other_dep = build_deployment(service(**{role: {"sharedMemorySize": "8Gi"}}), other)  # type: ignore[arg-type]
+    assert by_name(other_dep["spec"]["template"]["spec"]["volumes"])["dshm"]["emptyDir"][
+        "sizeLimit"] == "1Gi"
+
+
+def test_named_ports_and_probes() -> None:
+    svc = service()
+    prefill = main_container(build_deployment(svc, "prefill"))
+    decode = main_container(build_deployment(svc, "decode"))
+    router = main_container(build_deployment(svc, "router"))
+    assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [
+        ("http", 8000), ("bootstrap", 8998)]
+    assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [("http", 8000)]
+    assert [(p["name"], p["containerPort"]) for p in router["ports"]] == [("http", 8000)]
+    for container in (prefill, decode, router):
+        assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert container["startupProbe"]["httpGet"]["port"] == "http"
+    budget = prefill["startupProbe"]["periodSeconds"] * prefill["startupProbe"]["failureThreshold"]
+    assert budget >= 600, "workers need minutes to load a model before liveness kicks in"
+
+
+def test_builtin_model_needs_no_volume_or_init_container() -> None:
+    pod = build_deployment(service(), "decode")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert "models" not in by_name(pod["volumes"])
+
+
+def test_pvc_model_mounts_the_claim_read_only() -> None:
+    svc = service(model={"uri": "pvc://weights/llama/3b"})
+    dep = build_deployment(svc, "prefill")
+    pod = dep["spec"]["template"]["spec"]
+    assert by_name(pod["volumes"])["models"]["persistentVolumeClaim"] == {
+        "claimName": "weights", "readOnly": True}
+    assert by_name(main_container(dep)["volumeMounts"])["models"] == {
+        "name": "models", "mountPath": "/models", "readOnly": True}
+    assert command(dep)[2:4] == ["--model", "/models/llama/3b"]
+    assert svc.model.served_name == "3b"
+    assert command(build_deployment(service(model={"uri": "pvc://weights"}), "decode"))[3] == "/models"
+
+
+def test_file_model_mounts_a_host_path() -> None:
+    dep = build_deployment(service(model={"uri": "file:///srv/models/qwen"}), "decode")
+    pod = dep["spec"]["template"]["spec"]
+    assert by_name(pod["volumes"])["models"]["hostPath"] == {"path": "/srv/models/qwen",
+                                                          "type": "Directory"}
+    assert command(dep)[2:4] == ["--model", "/models"]
+    assert command(dep)[-1] == "qwen"
+
+
+def test_hf_model_is_pulled_by_an_init_container_with_the_token_secret() -> None:
+    svc = service(model={"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+                         "tokenSecretRef": {"name": "hf-token"}})
+    dep = build_deployment(svc, "prefill")
+    pod = dep["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["name"] == "model-pull"
+    assert init["command"] + init["args"] == [
+        "baton", "model", "pull", "hf://HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--dest", "/models/HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert by_name(init["env"])["HF_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert by_name(init["volumeMounts"])["models"] == {"name": "models", "mountPath": "/models"}
+    assert by_name(pod["volumes"])["models"] == {"name": "models", "emptyDir": {}}
+    assert by_name(main_container(dep)["volumeMounts"])["models"]["readOnly"] is True
+    assert command(dep)[2:4] == ["--model", "/models/HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert command(dep)[command(dep).index("--served-model-name") + 1] == "smollm2-135m-instruct"
+    assert "initContainers" not in build_deployment(svc, "router")["spec"]["template"]["spec"]
+
+
+def test_hf_model_without_token_has_no_secret() -> None:
+    dep = build_deployment(service(model={"uri": "hf://org/name"}), "decode")
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert "HF_TOKEN" not in by_name(init["env"])
+
+
+def test_template_merges_into_the_pod_and_its_main_container() -> None:
+    template = {
+        "metadata": {"annotations": {"team": "ml"},
+                     "labels": {"extra": "yes", "baton.dev/role": "hijacked"}},
+        "spec": {
+            "priorityClassName": "inference",
+            "containers": [
+                {"name": "main", "resources": {"limits": {"nvidia.com/gpu": 1}},
+                 "env": [{"name": "HF_HOME", "value": "/data/hf"}, {"name": "NEW", "value": "1"}]},
+                {"name": "exporter", "image": "exporter:1"},
+            ],
+            "volumes": [{"name": "extra", "configMap": {"name": "cfg"}}],
+        },
+    }
+    svc = service(prefill={"template": template, "env": [{"name": "POOL", "value": "p"}],
+                           "resources": {"requests": {"cpu": "2"}},
+                           "nodeSelector": {"gpu": "h100"},
+                           "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    dep = build_deployment(svc, "prefill")
+    tpl = dep["spec"]["template"]
+    pod = tpl["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["main", "exporter"]
+    main = main_container(dep)
+    assert main["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": 1}}
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["HF_HOME"] == "/data/hf" and env["NEW"] == "1" and env["POOL"] == "p"
+    assert env["XDG_CACHE_HOME"] == "/cache"
+    assert main["args"][:2] == ["serve", "--model"], "merging must not drop the rendered args"
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["priorityClassName"] == "inference"
+    assert "extra" in by_name(pod["volumes"]) and "dshm" in by_name(pod["volumes"])
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert tpl["metadata"]["annotations"]["team"] == "ml"
+    assert tpl["metadata"]["labels"]["extra"] == "yes"
+    assert tpl["metadata"]["labels"]["baton.dev/role"] == "prefill", "selector must keep matching"
+    decode = build_deployment(svc, "decode")
+    assert [c["name"] for c in decode["spec"]["template"]["spec"]["containers"]] == ["main"]
+
+
+def test_rollout_strategy_and_replicas() -> None:
+    svc = service(decode={"replicas": 3, "rolloutStrategy": {"maxSurge": 1,
+                                                             "maxUnavailable": "10%"}})
+    dep = build_deployment(svc, "decode")
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": 1, "maxUnavailable": "10%"}}
+    assert build_deployment(svc, "prefill")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": "25%", "maxUnavailable": 0}
+
+
+# -- ownership and labels ------------------------------------------------------------------
+
+def test_every_child_is_owned_and_labelled() -> None:
+    svc = service(ingress={"host": "llm.example.com"},
+                  autoscaling={"prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
+                  router={"replicas": 2})
+    children = build_children(svc)
+    assert len(children) == 6 + 1 + 2 + 3
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "baton.dev/v1alpha1", "kind": "InferenceService", "name": "llm",
+            "uid": UID, "controller": True, "blockOwnerDeletion": True}]
+        role = meta["labels"]["baton.dev/role"]
+        assert role in ("prefill", "decode", "router")
+        assert meta["labels"] == {**LABELS, "app.kubernetes.io/component": role,
+                                  "baton.dev/role": role}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+def test_selectors_match_pod_labels_and_use_only_stable_keys(role: str) -> None:
+    dep = build_deployment(service(), role)  # type: ignore[arg-type]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": "llm",
+                        "baton.dev/role": role}
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+# -- services and ingress ------------------------------------------------------------------
+
+def test_services() -> None:
+    svc = service()
+    prefill = build_headless_service(svc, "prefill")
+    assert prefill["spec"]["clusterIP"] == "None"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in prefill["spec"]["ports"]] == [
+        ("http", 8000, "http"), ("bootstrap", 8998, "bootstrap")]
+    decode = build_headless_service(svc, "decode")
+    assert decode["metadata"]["name"] == "llm-decode" and decode["spec"]["clusterIP"] == "None"
+    assert [p["name"] for p in decode["spec"]["ports"]] == ["http"]
+    assert decode["spec"]["selector"]["baton.dev/role"] == "decode"
+    router = build_router_service(svc)
+    assert router["metadata"]["name"] == "llm"
+    assert router["spec"]["type"] == "ClusterIP"
+    assert router["spec"]["selector"]["baton.dev/role"] == "router"
+    assert [(p["name"], p["port"]) for p in router["spec"]["ports"]] == [("http", 8000)]
+    assert svc.url == "http://llm.ml.svc.cluster.local:8000"
+    assert build_ingress(svc) is None
+
+
+def test_ingress_with_tls() -> None:
+    svc = service(ingress={"host": "llm.example.com", "className": "nginx",
+                           "tls": {"secretName": "llm-tls"}})
+    ingress = build_ingress(svc)
+    assert ingress is not None
+    assert ingress["apiVersion"] == "networking.k8s.io/v1"
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    assert rule["http"]["paths"] == [{"path": "/", "pathType": "Prefix", "backend": {
+        "service": {"name": "llm", "port": {"name": "http"}}}}]
+    assert svc.url == "https://llm.example.com"
+
+
+def test_ingress_without_tls_or_class() -> None:
+    svc = service(ingress={"host": "llm.local"})
+    ingress = build_ingress(svc)
+    assert ingress is not None
+    assert "tls" not in ingress["spec"] and "ingressClassName" not in ingress["spec"]
+    assert svc.url == "http://llm.local"
+
+
+# -- autoscaling and disruption budgets -----------------------------------------------------
+
+def test_autoscaling_hands_replicas_to_the_hpa() -> None:
+    svc = service(autoscaling={"decode": {"min": 2, "max": 6, "metric": "memory", "target": 70}})
+    hpa = build_hpa(svc, "decode")
+    assert hpa is not None
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"] == {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llm-decode"},
+        "minReplicas": 2, "maxReplicas": 6,
+        "metrics": [{"type": "Resource", "resource": {
+            "name": "memory", "target": {"type": "Utilization", "averageUtilization": 70}}}]}
+    assert "replicas" not in build_deployment(svc, "decode")["spec"]
+    assert build_deployment(svc, "prefill")["spec"]["replicas"] == 1
+    assert build_hpa(svc, "prefill") is None
+
+
+def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
+    svc = service(prefill={"replicas": 2}, autoscaling={"decode": {"min": 1, "max": 3}})
+    prefill = build_pdb(svc, "prefill")
+    assert prefill is not None and prefill["apiVersion"] == "policy/v1"
+    assert prefill["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+        "app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": "llm",
+        "baton.dev/role": "prefill"}}}
+    assert build_pdb(svc, "decode") is not None
+    assert build_pdb(svc, "router") is None
+
+
+# -- schema validity -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [
+    {},
+    {"model": {"uri": "hf://org/name", "tokenSecretRef": {"name": "tok", "key": "k"}},
+     "ingress": {"host": "a.example.com", "className": "nginx", "tls": {"secretName": "t"}},
+     "autoscaling": {"prefill": {"min": 1, "max": 3}, "decode": {"min": 2, "max": 5}},
+     "prefill": {"template": {"spec": {"containers": [{"name": "main", "resources": {
+         "limits": {"nvidia.com/gpu": 1}}}]}}}},
+    {"model": {"uri": "pvc://claim/dir"}, "decode": {"replicas": 4}},
+    {"model": {"uri": "file:///srv/m"}, "router": {"replicas": 3}},
+], ids=["defaults", "hf-ingress-autoscaling", "pvc", "file"])
+def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any]) -> None:
+    for child in build_children(service(**spec)):
+        kubernetes_validate.validate(child, "1.30", strict=True)

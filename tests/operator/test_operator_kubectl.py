@@ -1,0 +1,96 @@
+"""The operator as a real process (`python -m baton_operator`, what `baton operator` runs),
+driven with a real kubectl against the emulated API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from isvc_helpers import NAMESPACE, SAMPLE_FILE, Cluster, wait_for
+from kubectl_tool import kubectl
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def operator_process(cluster: Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`baton operator` flags, a one-second resync timer, and its liveness endpoint."""
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    log = tmp_path / "operator.log"
+    env = {**os.environ, "BATON_OPERATOR_RESYNC_SECONDS": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "baton_operator", "--standalone", "--namespace", NAMESPACE,
+             f"--liveness={liveness}", "--verbose"],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: healthy(liveness) or proc.poll() is not None, 30, "operator liveness")
+        assert proc.poll() is None, log.read_text()
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        text = log.read_text()
+        assert code == 0, text
+        assert "Traceback" not in text, text
+
+
+def run_kubectl(*args: str) -> str:
+    result = subprocess.run([str(kubectl()), "--namespace", NAMESPACE, *args],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    return result.stdout
+
+
+def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(
+        cluster: Cluster, operator_process: subprocess.Popen[bytes]) -> None:
+    out = run_kubectl("--validate=false", "apply", "-f", str(SAMPLE_FILE))
+    assert "inferenceservice.baton.dev/smollm2 created" in out
+
+    names = {"deployment.apps/smollm2-prefill", "deployment.apps/smollm2-decode",
+             "deployment.apps/smollm2-router"}
+    wait_for(lambda: names <= set(run_kubectl("get", "deployments", "-o", "name").split()),
+             30, "the sample's Deployments")
+    services = set(run_kubectl("get", "services", "-o", "name").split())
+    assert {"service/smollm2", "service/smollm2-prefill", "service/smollm2-decode"} <= services
+
+    for role in ("prefill", "decode", "router"):
+        cluster.set_deployment_status(f"smollm2-{role}")
+    ready = '{.status.conditions[?(@.type=="Ready")].status}'
+    wait_for(lambda: run_kubectl("get", "bisvc", "smollm2", "-o", f"jsonpath={ready}") == "True",
+             30, "Ready=True through kubectl")
+    table = run_kubectl("get", "inferenceservices")
+    assert "smollm2" in table
+
+    # Level-based: the resync timer recreates a child deleted behind the operator's back.
+    run_kubectl("delete", "deployment", "smollm2-router", "--wait=false")
+    wait_for(lambda: "deployment.apps/smollm2-router" in run_kubectl(
+        "get", "deployments", "-o", "name").split(), 30, "the router Deployment to come back")
+
+    assert "unchanged" in run_kubectl("--validate=false", "apply", "-f", str(SAMPLE_FILE))
+    assert operator_process.poll() is None

@@ -1,0 +1,174 @@
+"""Spec parsing (defaults and what can never work), level-based status, merge patches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from baton_operator.kube import merge_diff
+from baton_operator.spec import InvalidSpec, parse_service
+from baton_operator.status import compute_status, invalid_status, same_status
+
+
+def body(name: str = "llm", **spec: Any) -> dict[str, Any]:
+    spec.setdefault("model", {"uri": "builtin:smollm2-135m"})
+    return {"metadata": {"name": name, "namespace": "ml", "uid": "u", "generation": 2},
+            "spec": spec}
+
+
+def test_defaults_match_the_crd() -> None:
+    svc = parse_service(body())
+    assert (svc.image, svc.image_pull_policy, svc.kv_backend) == ("baton:0.1.0", "IfNotPresent",
+                                                                  "nixl")
+    assert (svc.prefill.replicas, svc.decode.replicas, svc.router.replicas) == (1, 1, 1)
+    assert svc.router.policy == "round_robin"
+    assert svc.prefill.shared_memory_size == "1Gi"
+    assert (svc.decode.max_surge, svc.decode.max_unavailable) == ("25%", 0)
+    assert svc.ingress is None and dict(svc.autoscaling) == {}
+    assert svc.model.served_name == "smollm2-135m"
+    assert svc.generation == 2
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"kvTransfer": {"backend": "rdma"}}, "spec.kvTransfer.backend"),
+    ({"model": {"uri": "hf://only-one-part"}}, "spec.model.uri"),
+    ({"model": {"uri": "hf://a/b/c"}}, "spec.model.uri"),
+    ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri"),
+    ({"model": {"uri": "pvc://Bad_Claim/x"}}, "spec.model.uri"),
+    ({"model": {"uri": "pvc://claim/../etc"}}, "spec.model.uri"),
+    ({"model": {"uri": "file://relative/path"}}, "spec.model.uri"),
+    ({"model": {"uri": "file:///"}}, "spec.model.uri"),
+    ({"model": {"uri": "builtin:"}}, "spec.model.uri"),
+    ({"model": {}}, "spec.model.uri"),
+    ({"model": {"uri": "builtin:x", "tokenSecretRef": {"name": "s"}}}, "tokenSecretRef"),
+    ({"router": {"policy": "random"}}, "spec.router.policy"),
+    ({"decode": {"replicas": -1}}, "spec.decode.replicas"),
+    ({"decode": {"replicas": "2"}}, "spec.decode.replicas"),
+    ({"prefill": {"sharedMemorySize": "lots"}}, "spec.prefill.sharedMemorySize"),
+    ({"prefill": {"rolloutStrategy": {"maxSurge": "ten"}}}, "maxSurge"),
+    ({"prefill": {"args": ["--ok", 3]}}, "spec.prefill.args"),
+    ({"prefill": {"env": [{"value": "x"}]}}, "spec.prefill.env[0].name"),
+    ({"prefill": {"template": {"spec": {"containers": [{"image": "x"}]}}}}, "containers[0]"),
+    ({"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
+    ({"autoscaling": {"decode": {"min": 5, "max": 2}}}, "spec.autoscaling.decode"),
+    ({"autoscaling": {"router": {"min": 1, "max": 2}}}, "spec.autoscaling.router"),
+    ({"autoscaling": {"decode": {"min": 1, "max": 2, "target": 150}}}, "target"),
+    ({"ingress": {"className": "nginx"}}, "spec.ingress.host"),
+])
+def test_specs_that_can_never_work_are_rejected_with_the_field(spec: dict[str, Any],
+                                                               field: str) -> None:
+    with pytest.raises(InvalidSpec, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_service(body(**spec))
+
+
+def test_names_too_long_for_child_services_are_rejected() -> None:
+    parse_service(body(name="a" * 55))
+    with pytest.raises(InvalidSpec, match=r"metadata\.name"):
+        parse_service(body(name="a" * 56))
+    with pytest.raises(InvalidSpec, match=r"metadata\.name"):
+        parse_service(body(name="Upper"))
+
+
+# -- status --------------------------------------------------------------------------------
+
+def deployment(replicas: int, ready: int, *, generation: int = 1, observed: int = 1,
+               updated: int | None = None, conditions: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
+    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas},
+            "status": {"observedGeneration": observed, "replicas": replicas,
+                       "readyReplicas": ready,
+                       "updatedReplicas": replicas if updated is None else updated,
+                       "conditions": conditions or []}}
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_status_without_children_is_pending() -> None:
+    svc = parse_service(body())
+    status = compute_status(svc, {}, {}, observed_generation=2, now="t0")
+    assert status["phase"] == "Pending"
+    assert conditions(status)["Ready"] == ("False", "Updating")
+    assert status["prefill"] == {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+    assert status["url"] == "http://llm.ml.svc.cluster.local:8000"
+    assert status["observedGeneration"] == 2
+    assert all(c["observedGeneration"] == 2 and c["lastTransitionTime"] == "t0"
+               for c in status["conditions"])
+    assert {c["type"] for c in status["conditions"]} == {
+        "Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded"}
+
+
+def test_status_ready_when_every_pool_is_ready() -> None:
+    svc = parse_service(body(decode={"replicas": 2}))
+    deps = {"prefill": deployment(1, 1), "decode": deployment(2, 2), "router": deployment(1, 1)}
+    status = compute_status(svc, deps, {}, observed_generation=2, now="t0")
+    assert status["phase"] == "Ready"
+    assert conditions(status) == {
+        "Ready": ("True", "AllPoolsReady"), "PrefillReady": ("True", "ReplicasReady"),
+        "DecodeReady": ("True", "ReplicasReady"), "RouterReady": ("True", "ReplicasReady"),
+        "Progressing": ("False", "Complete"), "Degraded": ("False", "AsExpected")}
+    assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+
+
+def test_status_pods_not_ready_and_rolling_update() -> None:
+    svc = parse_service(body(decode={"replicas": 2}))
+    deps = {"prefill": deployment(1, 1), "decode": deployment(2, 1), "router": deployment(1, 1)}
+    status = compute_status(svc, deps, {}, observed_generation=2)
+    assert status["phase"] == "Progressing"
+    assert conditions(status)["Ready"] == ("False", "PodsNotReady")
+    assert conditions(status)["DecodeReady"] == ("False", "PodsNotReady")
+    assert conditions(status)["PrefillReady"] == ("True", "ReplicasReady")
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    deps["prefill"] = deployment(1, 1, generation=2, observed=1)  # controller not caught up
+    status = compute_status(svc, deps, {}, observed_generation=2)
+    assert conditions(status)["Ready"] == ("False", "Updating")
+    assert conditions(status)["PrefillReady"] == ("False", "Updating")
+
+
+def test_status_degraded_when_a_rollout_is_stuck() -> None:
+    svc = parse_service(body())
+    stuck = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+              "message": "ReplicaSet has timed out progressing."}]
+    deps = {"prefill": deployment(1, 0, updated=1, conditions=stuck),
+            "decode": deployment(1, 1), "router": deployment(1, 1)}
+    status = compute_status(svc, deps, {}, observed_generation=2)
+    assert status["phase"] == "Degraded"
+    assert conditions(status)["Degraded"] == ("True", "RolloutFailed")
+    assert "prefill: ProgressDeadlineExceeded" in next(
+        c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+
+
+def test_status_is_level_based_and_keeps_transition_times() -> None:
+    svc = parse_service(body())
+    deps = {"prefill": deployment(1, 1), "decode": deployment(1, 0), "router": deployment(1, 1)}
+    first = compute_status(svc, deps, {}, observed_generation=2, now="t0")
+    again = compute_status(svc, deps, first, observed_generation=2, now="t1")
+    assert again == first and same_status(again, first)
+    deps["decode"] = deployment(1, 1)
+    ready = compute_status(svc, deps, again, observed_generation=2, now="t2")
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times["Ready"] == "t2" and times["DecodeReady"] == "t2"
+    assert times["PrefillReady"] == "t0" and times["Degraded"] == "t0"
+    assert not same_status(ready, again)
+
+
+def test_invalid_status_keeps_the_rest() -> None:
+    previous = {"phase": "Ready", "url": "http://x", "kopf": {"progress": {}},
+                "conditions": [{"type": "DecodeReady", "status": "True"}]}
+    status = invalid_status("spec.kvTransfer.backend 'rdma': bad", 3, previous, now="t")
+    assert status["phase"] == "Failed" and status["observedGeneration"] == 3
+    assert status["url"] == "http://x" and "kopf" not in status
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "rdma" in ready["message"]
+    assert {"type": "DecodeReady", "status": "True"} in status["conditions"]
+
+
+# -- merge patches -------------------------------------------------------------------------
+
+def test_merge_diff_patches_only_what_changed_and_nulls_what_went_away() -> None:
+    old = {"spec": {"replicas": 1, "template": {"a": [1, 2], "b": "x"}, "gone": {"k": 1}}}
+    new = {"spec": {"replicas": 3, "template": {"a": [1, 2], "b": "x"}, "added": True}}
+    assert merge_diff(old, new) == {"spec": {"replicas": 3, "gone": None, "added": True}}
+    assert merge_diff(new, new) == {}
