@@ -231,6 +231,7 @@ class Scheduler:
         chunked, self.chunked_req = self.chunked_req, None
         if chunked is not None and not adder.add(chunked) and adder.chunked is None:
             self.chunked_req = chunked  # no room for its next chunk yet: decode first
+            return None  # and nobody overtakes it (one chunked request at a time)
         while self.waiting and adder.chunked is None and adder.add(self.waiting[0]):
             self.waiting.popleft()
         if adder.chunked is not None:
@@ -240,22 +241,30 @@ class Scheduler:
         return None if adder.batch.is_empty() else adder.batch
 
     def _make_decode_room(self) -> None:
-        """Retract the newest requests until every running one has a slot for its next token."""
+        """Retract the newest requests until every running one has a slot for its next token.
+
+        A partially prefilled (chunked) request is the newest of all, so it goes first."""
         while True:
             reqs = self.running.reqs
             need = sum(1 for r in reqs if r.kv_len // self.kv.page_size >= len(r.kv_pages))
             if need <= self.kv.allocator.available_pages:
                 return
-            if len(reqs) == 1:
+            if self.chunked_req is not None:
+                victim, self.chunked_req = self.chunked_req, None
+            elif len(reqs) > 1:
+                victim = reqs[-1]
+                self.running.filter_batch(list(range(len(reqs) - 1)))
+            else:
                 raise RuntimeError("KV pool too small for a single request (admission bug)")
-            victim = reqs[-1]
-            self.running.filter_batch(list(range(len(reqs) - 1)))
-            self.kv.release(victim)
-            victim.reset_for_retract()
-            self.waiting.appendleft(victim)
-            self.num_retractions += 1
-            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
-            log.info("retracted %s to free KV (%d retractions)", victim.rid, self.num_retractions)
+            self._retract(victim)
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)
+        req.reset_for_retract()
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        log.info("retracted %s to free KV (%d retractions)", req.rid, self.num_retractions)
 
     def shutdown(self) -> None:
         if self.worker is not None:
