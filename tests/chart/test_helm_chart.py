@@ -11,6 +11,8 @@ import kubernetes_validate
 import pytest
 from chart_support import K8S_VERSIONS, Render, validate_builtin
 
+pytestmark = pytest.mark.timeout(120)  # each test renders with the Helm engine
+
 # Non-default values that exercise every optional branch of the templates.
 FULL_VALUES: dict[str, Any] = {
     "fullnameOverride": "llm",

@@ -10,6 +10,8 @@ import pytest
 from baton_operator import manifests
 from chart_support import K8S_VERSIONS, load_docs, validate_builtin
 
+pytestmark = pytest.mark.timeout(120)  # each test renders with the Helm engine
+
 
 def test_manifests_match_a_fresh_render():
     assert manifests.drifted() == [], "run `python -m baton_operator.manifests`"
@@ -73,4 +75,4 @@ def test_manifests_module_imports_without_torch_or_helm():
         "import sys, baton_operator.manifests; "
         "assert 'torch' not in sys.modules and 'helm_python' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

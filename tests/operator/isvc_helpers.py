@@ -62,23 +62,20 @@ class Cluster:
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
         self.apps = kubernetes.client.AppsV1Api(self.client)
         self.core = kubernetes.client.CoreV1Api(self.client)
-        self.readers: dict[str, Callable[..., Any]] = {
-            "Deployment": self.apps.read_namespaced_deployment,
-            "Service": self.core.read_namespaced_service,
-            "Ingress": kubernetes.client.NetworkingV1Api(self.client).read_namespaced_ingress,
-            "HorizontalPodAutoscaler": kubernetes.client.AutoscalingV2Api(
-                self.client).read_namespaced_horizontal_pod_autoscaler,
-            "PodDisruptionBudget": kubernetes.client.PolicyV1Api(
-                self.client).read_namespaced_pod_disruption_budget,
-        }
-        self.listers: dict[str, Callable[..., Any]] = {
-            "Deployment": self.apps.list_namespaced_deployment,
-            "Service": self.core.list_namespaced_service,
-            "Ingress": kubernetes.client.NetworkingV1Api(self.client).list_namespaced_ingress,
-            "HorizontalPodAutoscaler": kubernetes.client.AutoscalingV2Api(
-                self.client).list_namespaced_horizontal_pod_autoscaler,
-            "PodDisruptionBudget": kubernetes.client.PolicyV1Api(
-                self.client).list_namespaced_pod_disruption_budget,
+        networking = kubernetes.client.NetworkingV1Api(self.client)
+        autoscaling = kubernetes.client.AutoscalingV2Api(self.client)
+        policy = kubernetes.client.PolicyV1Api(self.client)
+        # kind -> (read, list) of the child kinds
+        self.calls: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "Deployment": (self.apps.read_namespaced_deployment,
+                           self.apps.list_namespaced_deployment),
+            "Service": (self.core.read_namespaced_service, self.core.list_namespaced_service),
+            "Ingress": (networking.read_namespaced_ingress, networking.list_namespaced_ingress),
+            "HorizontalPodAutoscaler": (
+                autoscaling.read_namespaced_horizontal_pod_autoscaler,
+                autoscaling.list_namespaced_horizontal_pod_autoscaler),
+            "PodDisruptionBudget": (policy.read_namespaced_pod_disruption_budget,
+                                    policy.list_namespaced_pod_disruption_budget),
         }
 
     def create_namespace(self) -> None:
@@ -123,7 +120,7 @@ class Cluster:
 
     def child(self, kind: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._plain(self.readers[kind](name, self.namespace))
+            return self._plain(self.calls[kind][0](name, self.namespace))
         except kubernetes.client.ApiException as e:
             if e.status == 404:
                 return None
@@ -132,7 +129,7 @@ class Cluster:
     def children(self) -> dict[tuple[str, str], dict[str, Any]]:
         """Every object of the child kinds in the namespace, by (kind, name)."""
         found = {}
-        for kind, lister in self.listers.items():
+        for kind, (_, lister) in self.calls.items():
             for item in self._plain(lister(self.namespace))["items"]:
                 found[kind, item["metadata"]["name"]] = item
         return found

@@ -81,6 +81,46 @@ def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
         "--policy", "prefix", "--log-level", "debug"]
 
 
+MODEL_SOURCES = [  # spec.model.uri -> (--model in the pod, derived --served-model-name)
+    ("builtin:smollm2-135m", "builtin:smollm2-135m", "smollm2-135m"),
+    ("pvc://weights/llama/3b", "/models/llama/3b", "3b"),
+    ("pvc://weights", "/models", "weights"),
+    ("file:///srv/models/qwen", "/models", "qwen"),
+    ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", "/models/HuggingFaceTB/SmolLM2-135M-Instruct",
+     "smollm2-135m-instruct"),
+]
+
+
+@pytest.mark.parametrize(("uri", "model", "served"), MODEL_SOURCES,
+                         ids=[uri.split(":")[0] for uri, _, _ in MODEL_SOURCES])
+def test_every_model_source_renders_the_cli_contract_exactly(uri: str, model: str,
+                                                             served: str) -> None:
+    svc = service(model={"uri": uri}, kvTransfer={"backend": "tcp"})
+    assert command(build_deployment(svc, "prefill")) == cli(
+        f"baton serve --model {model} --role prefill --host 0.0.0.0 --port 8000 "
+        f"--bootstrap-port 8998 --kv-transfer tcp --served-model-name {served}")
+    assert command(build_deployment(svc, "decode")) == cli(
+        f"baton serve --model {model} --role decode --host 0.0.0.0 --port 8000 "
+        f"--kv-transfer tcp --served-model-name {served}")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_runtime_parser_accepts_the_rendered_serve_args(role: str) -> None:
+    """The other side of the contract: `baton serve`'s own argument parser (torch-free)."""
+    from runtime.server.args import build_parser
+
+    svc = service(model={"uri": "hf://org/name", "servedName": "smol"},
+                  **{role: {"args": ["--max-running-requests", "8"]}})
+    argv = command(build_deployment(svc, role))  # type: ignore[arg-type]
+    assert argv[:2] == ["baton", "serve"]
+    parsed = build_parser().parse_args(argv[2:])
+    assert (parsed.model, parsed.role, parsed.host, parsed.port) == (
+        "/models/org/name", role, "0.0.0.0", 8000)
+    assert (parsed.bootstrap_port, parsed.kv_transfer, parsed.served_model_name) == (
+        8998, "nixl", "smol")
+    assert parsed.max_running_requests == 8
+
+
 def test_default_children_set() -> None:
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in build_children(service()))
     assert kinds == [("Deployment", "llm-decode"), ("Deployment", "llm-prefill"),

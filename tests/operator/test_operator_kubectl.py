@@ -1,5 +1,7 @@
-"""The operator as a real process (`python -m baton_operator`, what `baton operator` runs),
-driven with a real kubectl against the emulated API."""
+"""The operator as a real process (`baton operator`, through the console script's own entry
+point `runtime.cli`),
+driven with a real kubectl against the emulated API, following manifests/README.md:
+`kubectl apply -f manifests/`, then `kubectl apply -f manifests/samples/inferenceservice.yaml`."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from isvc_helpers import NAMESPACE, SAMPLE_FILE, Cluster, wait_for
+from isvc_helpers import NAMESPACE, REPO, SAMPLE_FILE, Cluster, wait_for
+from kmock_compat import EmulatedCluster
 from kubectl_tool import kubectl
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,15 +37,33 @@ def healthy(url: str) -> bool:
 
 
 @pytest.fixture
-def operator_process(cluster: Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def applied(emulated: EmulatedCluster) -> Cluster:
+    """The documented install: `kubectl apply -f manifests/` (the CRD registers the resource,
+    the operator's own objects are created), plus the namespace the services live in."""
+    out = run_kubectl("--validate=false", "apply", "-f", str(REPO / "manifests"), namespace=None)
+    assert set(out.split("\n")) >= {
+        "customresourcedefinition.apiextensions.k8s.io/inferenceservices.baton.dev created",
+        "namespace/baton-system created",
+        "serviceaccount/baton-operator created",
+        "clusterrole.rbac.authorization.k8s.io/baton-operator created",
+        "clusterrolebinding.rbac.authorization.k8s.io/baton-operator created",
+        "deployment.apps/baton-operator created",
+    }, out
+    client = Cluster(NAMESPACE)
+    client.create_namespace()
+    return client
+
+
+@pytest.fixture
+def operator_process(applied: Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """`baton operator` flags, a one-second resync timer, and its liveness endpoint."""
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     log = tmp_path / "operator.log"
     env = {**os.environ, "BATON_OPERATOR_RESYNC_SECONDS": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton_operator", "--standalone", "--namespace", NAMESPACE,
-             f"--liveness={liveness}", "--verbose"],
+            [sys.executable, "-m", "runtime.cli", "operator", "--standalone",
+             "--namespace", NAMESPACE, f"--liveness={liveness}", "--verbose"],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: healthy(liveness) or proc.poll() is not None, 30, "operator liveness")
@@ -60,15 +81,16 @@ def operator_process(cluster: Cluster, tmp_path: Path) -> Iterator[subprocess.Po
         assert "Traceback" not in text, text
 
 
-def run_kubectl(*args: str) -> str:
-    result = subprocess.run([str(kubectl()), "--namespace", NAMESPACE, *args],
+def run_kubectl(*args: str, namespace: str | None = NAMESPACE) -> str:
+    scope = ["--namespace", namespace] if namespace else []
+    result = subprocess.run([str(kubectl()), *scope, *args],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
     return result.stdout
 
 
 def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(
-        cluster: Cluster, operator_process: subprocess.Popen[bytes]) -> None:
+        applied: Cluster, operator_process: subprocess.Popen[bytes]) -> None:
     out = run_kubectl("--validate=false", "apply", "-f", str(SAMPLE_FILE))
     assert "inferenceservice.baton.dev/smollm2 created" in out
 
@@ -80,7 +102,7 @@ def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(
     assert {"service/smollm2", "service/smollm2-prefill", "service/smollm2-decode"} <= services
 
     for role in ("prefill", "decode", "router"):
-        cluster.set_deployment_status(f"smollm2-{role}")
+        applied.set_deployment_status(f"smollm2-{role}")
     ready = '{.status.conditions[?(@.type=="Ready")].status}'
     wait_for(lambda: run_kubectl("get", "bisvc", "smollm2", "-o", f"jsonpath={ready}") == "True",
              30, "Ready=True through kubectl")
