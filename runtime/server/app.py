@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -20,7 +20,7 @@ from runtime.server import native_api, openai_api
 from runtime.server.errors import ApiError, error_body, error_response, install_error_handlers
 from runtime.server.metrics import Metrics
 from runtime.server.sse import ClientGone
-from runtime.server.tokenizer_manager import TokenizerManager
+from runtime.server.tokenizer_manager import LOADING, TokenizerManager
 
 log = logging.getLogger("baton.server")
 
@@ -30,8 +30,8 @@ SCHEDULER_EXIT_TIMEOUT_S = 15.0
 
 
 class ProcessHandle(Protocol):
-    exitcode: int | None
-
+    @property
+    def exitcode(self) -> int | None: ...
     def is_alive(self) -> bool: ...
     def join(self, timeout: float | None = None) -> None: ...
     def terminate(self) -> None: ...
@@ -68,33 +68,37 @@ class BodyLimit:
 
 
 async def _watch(app: FastAPI, proc: ProcessHandle, request_exit: Callable[[], None]) -> None:
-    """Log start-up progress; if the scheduler process dies, fail in-flight work and exit."""
+    """Log start-up progress; if the scheduler process dies or never gets ready, fail
+    in-flight work and shut the server down (exit code 1)."""
     tm: TokenizerManager = app.state.tm
-    args: ServerArgs = tm.args
-    began, next_note = time.monotonic(), PROGRESS_EVERY_S
+    began = time.monotonic()
     while True:
         await asyncio.sleep(WATCH_INTERVAL_S)
-        waited = time.monotonic() - began
-        if not proc.is_alive():
-            why = f"scheduler process exited with code {proc.exitcode}"
-            log.error("%s; shutting down", why)
+        problem = _watch_step(app, proc, time.monotonic() - began)
+        if problem is not None:
+            log.error("%s; shutting down", problem)
             app.state.failed = True
-            tm.scheduler_died(why)
+            tm.scheduler_died(problem)
             request_exit()
             return
-        if not tm.ready.is_set() and tm.unavailable == "the model is still loading":
-            if waited > args.startup_timeout_s:
-                log.error("model not ready after %.0f s; shutting down", waited)
-                app.state.failed = True
-                request_exit()
-                return
-            if waited >= next_note:
-                log.info("still loading %s (%.0f s)", args.model, waited)
-                next_note += PROGRESS_EVERY_S
-        elif not app.state.announced:
-            app.state.announced = True
-            log.info("ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
-                     waited, args.model_name, args.host, args.port)
+
+
+def _watch_step(app: FastAPI, proc: ProcessHandle, waited: float) -> str | None:
+    tm: TokenizerManager = app.state.tm
+    args: ServerArgs = tm.args
+    if not proc.is_alive():
+        return f"scheduler process exited with code {proc.exitcode}"
+    if not tm.ready.is_set() and tm.unavailable == LOADING:
+        if waited > args.startup_timeout_s:
+            return f"model not ready after {waited:.0f} s"
+        if waited >= app.state.next_note:
+            log.info("still loading %s (%.0f s)", args.model, waited)
+            app.state.next_note += PROGRESS_EVERY_S
+    elif tm.ready.is_set() and not app.state.announced:
+        app.state.announced = True
+        log.info("ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
+                 waited, args.model_name, args.host, args.port)
+    return None
 
 
 def create_app(
@@ -113,6 +117,7 @@ def create_app(
 
     app = FastAPI(title="baton", version="0.1.0", lifespan=lifespan)
     app.state.tm, app.state.failed, app.state.announced = tm, False, False
+    app.state.next_note, app.state.metrics = PROGRESS_EVERY_S, tm.metrics
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)
@@ -162,5 +167,3 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     async def stats() -> dict[str, Any]:
         return {**dataclasses.asdict(tm.stats), "inflight": len(tm.states)}
 
-
-Handler = Callable[[Request], Awaitable[Response]]

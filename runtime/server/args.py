@@ -21,7 +21,10 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    else:
+        default = f.default_factory()  # type: ignore[misc,operator]
     help_text = f.metadata.get("help", "")
     help_text = f"{help_text} (default: {default})".strip()
     tp, _ = _unwrap_optional(tp)

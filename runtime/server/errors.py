@@ -53,18 +53,25 @@ def _describe_validation(exc: RequestValidationError) -> ApiError:
     return ApiError(400, "; ".join(parts) or "invalid request", param=param)
 
 
+def _counted(request: Request, err: ApiError) -> JSONResponse:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.on_http_error(err.status)
+    return error_response(err)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return error_response(exc)
+        return _counted(request, exc)
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_response(_describe_validation(exc))
+        return _counted(request, _describe_validation(exc))
 
-    async def on_invalid(_: Request, exc: Exception) -> JSONResponse:
+    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, InvalidRequest)
-        return error_response(ApiError(400, str(exc), param=exc.field))
+        return _counted(request, ApiError(400, str(exc), param=exc.field))
 
     async def on_unavailable(_: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(503, str(exc), "service_unavailable", "unavailable"))

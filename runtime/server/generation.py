@@ -100,7 +100,7 @@ class Generation:
         try:
             return await self.tm.next_output(self.state, ABORT_ACK_TIMEOUT_S)
         except RequestTimeout:
-            self.tm.states.pop(self.rid, None)
+            self.tm.forget(self.rid)
             reason = {"type": "abort", "matched": None, "message": message}
             return ReqOutput(self.rid, [], self.prompt_tokens, 0, finished_reason=reason)
 

@@ -28,6 +28,9 @@ class Metrics:
             "baton_requests", "Finished requests by status (stop, length, abort, rejected)",
             ["status"], registry=r,
         )
+        self.http_errors = Counter(
+            "baton_http_errors", "Error responses by HTTP status", ["status"], registry=r
+        )
         self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram(
@@ -53,17 +56,20 @@ class Metrics:
         """`n` new tokens arrived `since_last` seconds after the previous ones."""
         if n <= 0:
             return
-        if first:
+        if first:  # tokens arriving with the first one have a TTFT, not an inter-token latency
             self.ttft.observe(ttft)
-            n -= 1  # the first token has a TTFT, not an inter-token latency
+            return
         for _ in range(n):
-            self.itl.observe(since_last / max(n, 1))
+            self.itl.observe(since_last / n)
 
     def on_finish(self, status: str, prompt_tokens: int, completion_tokens: int, e2e: float) -> None:
         self.requests.labels(status=status).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(e2e)
+
+    def on_http_error(self, status: int) -> None:
+        self.http_errors.labels(status=str(status)).inc()
 
     def on_rejected(self) -> None:
         self.requests.labels(status="rejected").inc()

@@ -20,7 +20,7 @@ from runtime.server import openai_format as fmt
 from runtime.server import sse
 from runtime.server.errors import ApiError, error_body
 from runtime.server.generation import Delta, Generation, finish, interleave, start
-from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
@@ -37,15 +37,16 @@ def check_model(tm: TokenizerManager, name: str) -> None:
 
 
 def _requests(
-    tm: TokenizerManager, body: _SamplingFields, prompts: list[list[int]],
+    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
     max_new: int | None, top_logprobs: int | None,
 ) -> list[GenerateRequest]:
     base = uuid.uuid4().hex
     reqs = []
-    context = tm.info.context_len if tm.info else None
+    # No max_tokens: up to the context, or what the KV pool can hold for one request.
+    room = min(tm.info.context_len, tm.info.kv_capacity_tokens) if tm.info else 1
     for p, ids in enumerate(prompts):
         for j in range(body.n):
-            budget = max_new if max_new is not None else max(1, (context or 0) - len(ids))
+            budget = max_new if max_new is not None else max(1, room - len(ids))
             params = body.sampling_params(budget, seed_offset=j)
             SamplingParams.from_dict(params)  # fail fast, naming the field
             reqs.append(GenerateRequest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -25,8 +26,36 @@ def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]]) -> 
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The token's own bytes (a byte-level token may be part of one UTF-8 character)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if m := _BYTE_TOKEN.match(piece):
+            return bytes([int(m.group(1), 16)])
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+    return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
+
+
 def _token(tokenizer: Any, token_id: int) -> str:
-    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
 
 
 def completion_logprobs(tokenizer: Any, d: Delta, offset: int) -> dict[str, Any] | None:
@@ -45,8 +74,8 @@ def completion_logprobs(tokenizer: Any, d: Delta, offset: int) -> dict[str, Any]
 
 
 def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    tok = _token(tokenizer, token_id)
-    return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+    raw = token_bytes(tokenizer, token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(tokenizer: Any, d: Delta) -> dict[str, Any] | None:

@@ -8,14 +8,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 INT64_MAX = (1 << 63) - 1
 MAX_TOKENS_LIMIT = (1 << 31) - 1
 
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
-Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]
-MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (JSON Schema agrees); 3.5 stays an error."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT), _INTEGRAL]
+Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX), _INTEGRAL]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), _INTEGRAL]
 Stop = str | Annotated[list[str], Field(max_length=16)]
 
 
@@ -27,13 +37,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by both OpenAI endpoints."""
 
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    n: Annotated[int, Field(ge=1, le=16), _INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
@@ -42,13 +52,13 @@ class _SamplingFields(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
     # sglang extras
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT), _INTEGRAL] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     skip_special_tokens: bool | None = None
-    stream_interval: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    stream_interval: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), _INTEGRAL] | None = None
 
     def sampling_params(self, max_new_tokens: int | None, seed_offset: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -81,10 +91,10 @@ Prompt = (
 )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: MaxTokens | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20), _INTEGRAL] | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -112,12 +122,12 @@ class ChatMessage(_Strict):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), _INTEGRAL] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -133,9 +143,9 @@ class GenerateBody(_Strict):
     stream: bool = False
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20), _INTEGRAL] = 0
     bootstrap_host: str | None = None
-    bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    bootstrap_port: Annotated[int, Field(ge=0, le=65535), _INTEGRAL] | None = None
     bootstrap_room: Seed | None = None
 
     @model_validator(mode="after")

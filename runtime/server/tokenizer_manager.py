@@ -9,6 +9,7 @@ slow reader gets one chunk with everything new rather than a backlog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ from runtime.server.codec import CodecError, decode, encode
 from runtime.server.metrics import Metrics
 
 log = logging.getLogger("baton.server")
+
+
+LOADING = "the model is still loading"
 
 
 class SchedulerUnavailable(RuntimeError):
@@ -65,13 +69,14 @@ class TokenizerManager:
         self.info: SchedulerReady | None = None
         self.stats = SchedulerStats()
         self.states: dict[str, ReqState] = {}
-        self.unavailable: str | None = "the model is still loading"
+        self.unavailable: str | None = LOADING
         self.ready = asyncio.Event()
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._actx.socket(zmq.PULL)
         self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- life cycle -------------------------------------------------------------------------
     def bind(self) -> None:
@@ -80,11 +85,28 @@ class TokenizerManager:
         self._pull.bind(self.from_scheduler)
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read_loop())
+
+    def stop_accepting(self, grace_s: float) -> None:
+        """Draining: new requests get 503; in-flight ones get `grace_s` to finish, then are
+        aborted so their streams end cleanly (finish_reason abort). Signal-handler safe."""
+        self.unavailable = "the server is shutting down"
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._abort_all_later, grace_s)
+
+    def _abort_all_later(self, delay_s: float) -> None:
+        asyncio.get_running_loop().call_later(delay_s, self.abort_all)
+
+    def abort_all(self, message: str = "the server is shutting down") -> None:
+        for rid in list(self.states):
+            self.abort(rid, message)
 
     def shutdown_scheduler(self) -> None:
         self.unavailable = "the server is shutting down"
-        self.send(ShutdownRequest())
+        with contextlib.suppress(SchedulerUnavailable):
+            self.send(ShutdownRequest())
 
     def close(self) -> None:
         if self._reader is not None:
@@ -119,16 +141,19 @@ class TokenizerManager:
             raise SchedulerUnavailable(self.unavailable)
         if req.rid in self.states:
             raise InvalidRequest(f"request id {req.rid!r} is already running", "rid")
+        self.send(req)
         state = self.states[req.rid] = ReqState(req.rid)
         self.metrics.inflight.set(len(self.states))
-        self.send(req)
         return state
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         state = self.states.get(rid)
         if state is None or state.finished:
             return False
-        self.send(AbortRequest(rid, message))
+        try:
+            self.send(AbortRequest(rid, message))
+        except SchedulerUnavailable:
+            return False
         return True
 
     async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:
@@ -145,7 +170,10 @@ class TokenizerManager:
         return ReqOutput.concat(outputs)
 
     def send(self, msg: Message) -> None:
-        self._push.send(encode(msg), zmq.NOBLOCK)
+        try:
+            self._push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # no scheduler connected
+            raise SchedulerUnavailable("the scheduler process is not reachable") from None
 
     # ---- the reader -------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -167,7 +195,8 @@ class TokenizerManager:
             self._refused(msg)
         elif isinstance(msg, SchedulerReady):
             self.info = msg
-            self.unavailable = None
+            if self.unavailable == LOADING:
+                self.unavailable = None
             self.ready.set()
         else:
             log.error("unexpected message %s", type(msg).__name__)
@@ -201,6 +230,10 @@ class TokenizerManager:
         self.metrics.on_rejected()
 
     def _forget(self, state: ReqState) -> None:
-        self.states.pop(state.rid, None)
+        self.forget(state.rid)
+
+    def forget(self, rid: str) -> None:
+        """Stop tracking a request (its outputs, if any still come, are dropped)."""
+        self.states.pop(rid, None)
         self.metrics.inflight.set(len(self.states))
 

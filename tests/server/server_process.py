@@ -1,0 +1,77 @@
+"""Start `baton serve` as a real subprocess on a free loopback port and stop it with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+BATON = Path(sys.executable).parent / "baton"
+MODEL = "builtin:smollm2-135m"
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, *extra_args: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        cmd = [str(BATON), "serve", "--model", MODEL, "--host", "127.0.0.1",
+               "--port", str(self.port), "--max-total-tokens", "4096", *extra_args]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait; returns the exit code (kills it if it does not exit in time)."""
+        self.terminate()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(10)
+            raise AssertionError(f"server ignored SIGTERM for {timeout} s:\n{self.log()}") from None
+        finally:
+            self._log.close()
+        return code
+
+
+def start_server(*extra_args: str, log_path: Path) -> ServerProcess:
+    server = ServerProcess(*extra_args, log_path=log_path)
+    server.wait_ready()
+    return server
