@@ -1,6 +1,7 @@
 """Plain-torch attention over the paged KV pool (CPU and any device).
 
-Decode: one gather of every request's K/V into a padded [B, L] block and one SDPA call per layer.
+Decode: one gather of every request's K/V pages into a padded [B, L] block (whole pages, so the
+copy moves blocks rather than rows) and one SDPA call per layer.
 Extend: one SDPA per request; a request with no cached prefix attends to its fresh K/V directly.
 """
 
@@ -19,12 +20,15 @@ class TorchAttention(AttentionBackend):
         max_len = max(batch.seq_lens)
         # [B, L] slot of every position of every request (stale past each request's length)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, :max_len]
-        self.flat_slots = self.slot_table.reshape(-1)
         if batch.mode == "decode":
-            valid = torch.arange(max_len)[None, :] < seq_lens[:, None]  # [B, L]
-            # [B, 1, 1, L] boolean mask: True = may attend
+            ps = self.pool.page_size
+            # [B * P] page of every page-start position; past a request's end: stale, masked
+            self.page_ids = (self.slot_table[:, ::ps] // ps).reshape(-1)
+            padded = self.slot_table[:, ::ps].shape[1] * ps
+            valid = torch.arange(padded)[None, :] < seq_lens[:, None]  # [B, P * ps]
+            # [B, 1, 1, P * ps] boolean mask: True = may attend
             self.decode_mask = valid[:, None, None, :]
-            self.uniform = bool((seq_lens == max_len).all())
+            self.uniform = bool(valid.all())
         else:
             self.extend_offsets = [0]
             for n in batch.extend_lens:
@@ -40,13 +44,18 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
-        shape = (*self.slot_table.shape, self.pool.num_kv_heads, d)
-        # [B, L, kv_heads, D] -> [B, kv_heads, L, D]
-        keys = self.pool.k[layer].index_select(0, self.flat_slots).view(shape).transpose(1, 2)
-        values = self.pool.v[layer].index_select(0, self.flat_slots).view(shape).transpose(1, 2)
+        k_pages, v_pages = self.pool.pages(layer)
+        # [B * P, ps, kv_heads, D] -> [B, P * ps, kv_heads, D] -> [B, kv_heads, P * ps, D]
+        keys = k_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
+        values = v_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
         mask = None if self.uniform else self.decode_mask
         out = F.scaled_dot_product_attention(
-            q.view(b, h, 1, d), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            q.view(b, h, 1, d),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
         )
         return out.reshape(b, h * d)  # [B, H*D]
 

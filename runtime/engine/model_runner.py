@@ -58,7 +58,7 @@ class ModelRunner:
         self.model = LlamaModel(mc, self.model_path, self.dtype, config.device)
         num_pages = max(1, config.max_total_tokens // config.page_size)
         self.pool = KVPool(
-            mc.num_layers, num_pages * config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
+            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
         )
         self.kv = KVCacheManager(
             PageAllocator(num_pages, config.page_size),
