@@ -4,11 +4,11 @@
 
 Systems (fp32, greedy, exactly `max_new_tokens` tokens per prompt; see bench/throughput_systems.py):
   hf_static         `model.generate`, consecutive batches of 8, left padding, min_new_tokens=max
-  generate_batch    transformers' continuous batching, configured like baton (token budget per
-                    step, request cap, KV capacity), EOS disabled
-  hf_forward_bound  the sum of HF's forward times alone: unpadded per-prompt prefills + one decode
-                    batch of all prompts over a DynamicCache; no sampling, no scheduling (the
-                    precise definition is in bench/throughput_systems.py)
+  generate_batch    transformers' continuous batching (SDPA paged), EOS disabled, baton's KV
+                    capacity, step limits tuned for this CPU (--gb-config mirror: baton's)
+  hf_forward_bound  the sum of HF's forward times alone: the cheaper of per-prompt or one padded
+                    batch prefill + one decode batch of all prompts over a DynamicCache; no
+                    sampling, no scheduling (precise definition: bench/throughput_systems.py)
   baton             `Engine.generate(prompts, {temperature 0, ignore_eos})` after a warm-up
 
 Workloads (prompts are deterministic slices of a fixed text, tokenized by the model's tokenizer):
@@ -142,6 +142,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all systems)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument(
+        "--gb-config", choices=("tuned", "mirror"), default="tuned",
+        help="generate_batch step limits: the fastest found on this CPU (see GB_TUNED in\n"
+             "throughput_systems.py), or baton's own (chunked_prefill_size, max_running_requests)",
+    )
     p.add_argument("--check", type=int, default=8, help="prompts compared for token equality")
     p.add_argument(
         "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -211,10 +216,13 @@ class Bench:
         from runtime.config import EngineConfig, SchedulerConfig
 
         kw = self.engine_kwargs
+        kv_tokens = kw.get("max_total_tokens", EngineConfig.max_total_tokens)
+        if self.args.gb_config == "tuned":
+            return sysmod.generate_batch_config(**sysmod.GB_TUNED, kv_tokens=kv_tokens)
         return sysmod.generate_batch_config(
             max_batch_tokens=kw.get("chunked_prefill_size", SchedulerConfig.chunked_prefill_size),
             max_requests=kw.get("max_running_requests", SchedulerConfig.max_running_requests),
-            kv_tokens=kw.get("max_total_tokens", EngineConfig.max_total_tokens),
+            kv_tokens=kv_tokens,
         )
 
     def runner(
@@ -307,6 +315,7 @@ def meta(args: argparse.Namespace, load0: tuple[float, ...], elapsed: float) -> 
 
     return {
         "model": args.model, "threads": args.threads, "quick": args.quick,
+        "gb_config": args.gb_config,
         "engine_args": engine_args(args.engine_arg), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "load_avg_start": list(load0),

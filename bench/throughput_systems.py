@@ -8,11 +8,13 @@ Model loading and warm-up are never inside the timed region.
 The bare HF forward bound (`run_forward_bound`) is defined as the sum of the wall times of the
 HF model forwards that the workload needs at minimum, and nothing else:
 
-* prefill: one unpadded forward per prompt (batch 1, `logits_to_keep=1`, cache built and
-  discarded), i.e. no padding waste, as a ragged-batch engine would do it;
-* decode: all prompts as ONE batch (the composition baton runs: every request decodes together),
-  left-padded into a `DynamicCache` (built by an untimed padded prefill), then
-  `max_new_tokens - 1` decode forwards of shape `[N, 1]` with `logits_to_keep=1`.
+* prefill: the cheaper of two ways HF can run it, both timed: one unpadded forward per prompt
+  (batch 1, no padding waste, as a ragged-batch engine would), or all prompts as one left-padded
+  batch (better matmul shapes for short prompts, padding waste for long ones);
+  `logits_to_keep=1` in both;
+* decode: all prompts as ONE batch (the composition baton runs: every request decodes together)
+  over the `DynamicCache` the padded prefill built: `max_new_tokens - 1` forwards of shape
+  `[N, 1]` with `logits_to_keep=1`.
 
 Not counted: sampling (the argmax that feeds the next step), scheduling, padding/mask building,
 tokenization, Python between forwards. The decode cache is padded to the longest prompt, so its
@@ -80,8 +82,18 @@ def run_hf_static(
     return RunResult(seconds, outputs, {"batch_size": batch_size})
 
 
+# generate_batch's step shape on this 2-core CPU. With SDPA (no flash-attn on CPU) every query of
+# a step attends over the whole step's concatenated KV under a mask, so attention grows with
+# requests-per-step squared: small steps win. Measured on the full workloads (2026-11-22, idle,
+# one run each; runs differ by up to ~10%):
+#   max_batch_tokens/max_requests  2048/256 (= baton's)  256/32  512/16  512/32
+#   decode-heavy  tok/s                     95.9          104.3   110.5    -
+#   prefill-heavy tok/s                     68.1           64.7    74.2   58.2
+GB_TUNED = {"max_batch_tokens": 512, "max_requests": 16}
+
+
 def generate_batch_config(max_batch_tokens: int, max_requests: int, kv_tokens: int) -> Any:
-    """Mirror baton's defaults: same token budget per step, request cap and KV capacity."""
+    """generate_batch's scheduler limits; the KV capacity is always baton's."""
     from transformers import ContinuousBatchingConfig
 
     page_size = 32
@@ -121,7 +133,14 @@ def run_generate_batch(
     outputs = [list(r.generated_tokens) for r in ordered]
     check_lengths("generate_batch", outputs, max_new_tokens)
     log(f"generate_batch: {len(prompts)} prompts, {seconds:.1f} s")
-    return RunResult(seconds, outputs, {"attn_implementation": model.config._attn_implementation})
+    extra = {
+        "attn_implementation": model.config._attn_implementation,
+        "max_batch_tokens": cb_config.max_batch_tokens,
+        "max_requests_per_batch": cb_config.max_requests_per_batch,
+        "page_size": cb_config.page_size,
+        "num_blocks": cb_config.num_blocks,
+    }
+    return RunResult(seconds, outputs, extra)
 
 
 def _timed_forward(model: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -141,12 +160,12 @@ def run_forward_bound(
     for prompt in prompts:
         _, dt = _timed_forward(model, input_ids=torch.tensor([prompt], dtype=torch.long))
         prefill_s += dt
-    log(f"hf_forward_bound: {len(prompts)} unpadded prefills, {prefill_s:.1f} s")
+    log(f"hf_forward_bound: {len(prompts)} per-prompt prefills, {prefill_s:.1f} s")
 
     ids, mask = left_pad(prompts, pad_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, width]
     cache = DynamicCache(config=model.config)
-    out, padded_prefill_s = _timed_forward(
+    out, padded_s = _timed_forward(
         model, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache
     )
     tokens = out.logits[:, -1].argmax(-1, keepdim=True)  # [N, 1]
@@ -167,13 +186,14 @@ def run_forward_bound(
     outputs = torch.cat(generated, dim=1).tolist()
     check_lengths("hf_forward_bound", outputs, max_new_tokens)
     extra = {
-        "prefill_unpadded_s": prefill_s,
-        "prefill_padded_s_untimed": padded_prefill_s,
+        "prefill_per_prompt_s": prefill_s,
+        "prefill_padded_batch_s": padded_s,
+        "prefill_s": min(prefill_s, padded_s),
         "decode_s": decode_s,
         "decode_batch": len(prompts),
         "decode_steps": max_new_tokens - 1,
     }
-    return RunResult(prefill_s + decode_s, outputs, extra)
+    return RunResult(min(prefill_s, padded_s) + decode_s, outputs, extra)
 
 
 def run_baton(engine: Any, prompts: list[list[int]], max_new_tokens: int, log: Log) -> RunResult:
