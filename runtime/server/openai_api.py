@@ -101,11 +101,8 @@ async def _completion_events(
                 yield sse.event(fmt.envelope("text_completion", rid, body.model, [choice]))
     except Exception as e:  # mid-stream: the status line is gone, report in-band
         yield sse.event(error_body(str(e), "server_error", "stream_failed"))
-    if body.include_usage:
-        chunk = fmt.envelope("text_completion", rid, body.model, [])
-        chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()))
-        yield sse.event(chunk)
-    yield sse.DONE
+    for event in _stream_tail("text_completion", rid, body, prompt_tokens, last):
+        yield event
 
 
 @router.post("/v1/chat/completions")
@@ -140,8 +137,18 @@ async def _chat_events(
                 yield sse.event(fmt.envelope("chat.completion.chunk", rid, body.model, [choice]))
     except Exception as e:
         yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+    for event in _stream_tail("chat.completion.chunk", rid, body, prompt_tokens, last):
+        yield event
+
+
+def _stream_tail(
+    kind: str, rid: str, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
+    last: dict[int, Delta],
+) -> list[str]:
+    """The optional usage chunk (stream_options.include_usage), then `data: [DONE]`."""
+    events = []
     if body.include_usage:
-        chunk = fmt.envelope("chat.completion.chunk", rid, body.model, [])
+        chunk = fmt.envelope(kind, rid, body.model, [])
         chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()))
-        yield sse.event(chunk)
-    yield sse.DONE
+        events.append(sse.event(chunk))
+    return [*events, sse.DONE]
