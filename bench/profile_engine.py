@@ -3,7 +3,7 @@
     python bench/profile_engine.py [--workload decode] [--max-new-tokens N] [--overlap]
 
 Wraps (in this process only; nothing under runtime/ changes) the model runner, the model
-forward, the attention backend, every `F.linear`, the sampler and the scheduler step with wall
+forward, the attention backend, every `Linear` call, the sampler and the scheduler step with wall
 timers, runs the workload once after a warm-up, and prints the breakdown. Overlap is off by
 default so the parts add up to the wall time; with --overlap the forward runs on the worker
 thread and the scheduler column shows only what the main thread did.
@@ -39,13 +39,11 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument(engine: Any) -> None:
-    """Patch the classes' methods (and F.linear, as llama.py calls it) with timers."""
-    import torch.nn.functional as F
-
+    """Patch the classes' methods with timers."""
     from runtime.attention import torch_backend
     from runtime.engine import model_runner
     from runtime.kvcache import pool
-    from runtime.models import llama, rope
+    from runtime.models import linear, llama, rope
     from runtime.scheduler import scheduler
 
     patches: list[tuple[Any, str, str]] = [
@@ -56,6 +54,7 @@ def instrument(engine: Any) -> None:
         (torch_backend.TorchAttention, "_decode", "attn.decode (gather + sdpa)"),
         (torch_backend.TorchAttention, "_extend", "attn.extend (sdpa)"),
         (pool.KVPool, "write", "kv.write"),
+        (linear.Linear, "__call__", "matmuls (Linear, incl. lm_head)"),
         # the model module's own names, whichever of them this version of llama.py uses
         (llama, "rms_norm", "rms_norm"),
         (llama, "apply_rope", "rope"),
@@ -67,7 +66,6 @@ def instrument(engine: Any) -> None:
             setattr(owner, attr, timed(label, getattr(owner, attr)))
     sampler_cls = type(engine.runner.sampler)
     sampler_cls.sample = timed("sampler.sample", sampler_cls.sample)  # type: ignore[method-assign]
-    llama.F.linear = timed("F.linear (matmuls incl. lm_head)", F.linear)  # type: ignore[attr-defined]
 
 
 def report(wall: float, gen_tokens: int, steps: int) -> None:
@@ -89,7 +87,7 @@ def report(wall: float, gen_tokens: int, steps: int) -> None:
 
 
 _INSIDE_MODEL = (
-    "F.linear (matmuls incl. lm_head)", "attn.begin (slot table, mask)",
+    "matmuls (Linear, incl. lm_head)", "attn.begin (slot table, mask)",
     "attn.decode (gather + sdpa)", "attn.extend (sdpa)", "kv.write", "rms_norm", "rope",
 )
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Role = Literal["colocated", "prefill", "decode"]
+LinearBackend = Literal["auto", "onednn", "torch"]  # runtime/models/linear.py
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     sampler_backend: str = "torch"
+    linear_backend: LinearBackend = "auto"
     page_size: int = 16
     max_total_tokens: int = 32768
     context_length: int | None = None  # None: the model's max_position_embeddings
@@ -139,6 +141,9 @@ class ServerArgs:
     page_size: int = 16
     attention_backend: str = "torch"
     sampler_backend: str = field(default="torch", metadata={"help": "a registered sampler backend"})
+    linear_backend: LinearBackend = field(
+        default="auto", metadata={"help": "matmuls: onednn (CPU) or torch; auto: onednn where it runs"}
+    )
     plugin: tuple[str, ...] = field(
         default=(),
         metadata={"help": "module imported in the scheduler process first (repeatable); it may "
@@ -166,6 +171,7 @@ class ServerArgs:
             device=self.device,
             attention_backend=self.attention_backend,
             sampler_backend=self.sampler_backend,
+            linear_backend=self.linear_backend,
             page_size=self.page_size,
             max_total_tokens=self.max_total_tokens,
             context_length=self.context_length,

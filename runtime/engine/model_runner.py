@@ -22,6 +22,7 @@ from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.models.linear import use_onednn
 from runtime.models.llama import LlamaModel
 from runtime.models.prepare import resolve_model_path
 
@@ -55,7 +56,8 @@ class ModelRunner:
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
         self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        self.model = LlamaModel(mc, self.model_path, self.dtype, config.device)
+        onednn = use_onednn(config.linear_backend, config.device, self.dtype)
+        self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
         num_pages = max(1, config.max_total_tokens // config.page_size)
         self.pool = KVPool(
             mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
@@ -71,9 +73,10 @@ class ModelRunner:
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
         log.info(
-            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s",
+            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s",
             self.model_path, mc.num_layers, self.pool.num_slots,
             self.pool.num_slots * self.pool.bytes_per_slot / 2**20, self.dtype,
+            "oneDNN" if onednn else "torch",
         )
 
     @property

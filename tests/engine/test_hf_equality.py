@@ -68,6 +68,14 @@ def test_greedy_matches_hf(prompt_ids: list[list[int]], reference: list[Referenc
     run_and_compare(prompt_ids, reference, enable_overlap=overlap)
 
 
+def test_greedy_matches_hf_with_torch_matmuls(
+    prompt_ids: list[list[int]], reference: list[Reference]
+) -> None:
+    """The default matmuls are oneDNN on CPU (runtime/models/linear.py); F.linear must agree too."""
+    engine = run_and_compare(prompt_ids, reference, linear_backend="torch")
+    assert not engine.runner.model.onednn
+
+
 def test_chunked_prefill_matches_hf(prompt_ids: list[list[int]], reference: list[Reference]) -> None:
     longest = max(len(p) for p in prompt_ids)
     chunk = 32

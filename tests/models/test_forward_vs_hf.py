@@ -71,9 +71,11 @@ def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tu
     return tmp_path, model.eval()
 
 
-def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("linear", ["torch", "auto"])
+def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], linear: str) -> None:
     path, hf = tiny
-    runner = ModelRunner(EngineConfig(model=str(path), max_total_tokens=512, page_size=4), 4)
+    config = EngineConfig(model=str(path), max_total_tokens=512, page_size=4, linear_backend=linear)  # type: ignore[arg-type]
+    runner = ModelRunner(config, 4)
     ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0]  # [40, vocab]
