@@ -40,7 +40,7 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument(engine: Any) -> None:
     """Patch the classes' methods with timers."""
-    from runtime.attention import torch_backend
+    from runtime.attention import cpu_backend, torch_backend
     from runtime.engine import model_runner
     from runtime.kvcache import pool
     from runtime.models import linear, llama, rope
@@ -53,6 +53,8 @@ def instrument(engine: Any) -> None:
         (torch_backend.TorchAttention, "begin", "attn.begin (slot table, mask)"),
         (torch_backend.TorchAttention, "_decode", "attn.decode (gather + sdpa)"),
         (torch_backend.TorchAttention, "_extend", "attn.extend (sdpa)"),
+        (cpu_backend.CpuAttention, "begin", "attn.begin (slot table, mask)"),
+        (cpu_backend.CpuAttention, "_decode", "attn.decode (native kernel)"),
         (pool.KVPool, "write", "kv.write"),
         (linear.Linear, "__call__", "matmuls (Linear, incl. lm_head)"),
         # the model module's own names, whichever of them this version of llama.py uses
@@ -88,7 +90,8 @@ def report(wall: float, gen_tokens: int, steps: int) -> None:
 
 _INSIDE_MODEL = (
     "matmuls (Linear, incl. lm_head)", "attn.begin (slot table, mask)",
-    "attn.decode (gather + sdpa)", "attn.extend (sdpa)", "kv.write", "rms_norm", "rope",
+    "attn.decode (gather + sdpa)", "attn.decode (native kernel)", "attn.extend (sdpa)",
+    "kv.write", "rms_norm", "rope",
 )
 
 

@@ -87,7 +87,7 @@ class EngineConfig:
     model: str = "builtin:smollm2-135m"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: "cpu" where it runs, else "torch"
     sampler_backend: str = "torch"
     linear_backend: LinearBackend = "auto"
     page_size: int = 16
@@ -139,7 +139,9 @@ class ServerArgs:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     page_size: int = 16
-    attention_backend: str = "torch"
+    attention_backend: str = field(
+        default="auto", metadata={"help": "torch | cpu (native decode kernel) | auto: cpu where it runs"}
+    )
     sampler_backend: str = field(default="torch", metadata={"help": "a registered sampler backend"})
     linear_backend: LinearBackend = field(
         default="auto", metadata={"help": "matmuls: onednn (CPU) or torch; auto: onednn where it runs"}

@@ -73,10 +73,10 @@ class ModelRunner:
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
         log.info(
-            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s",
+            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s, attention %s",
             self.model_path, mc.num_layers, self.pool.num_slots,
             self.pool.num_slots * self.pool.bytes_per_slot / 2**20, self.dtype,
-            "oneDNN" if onednn else "torch",
+            "oneDNN" if onednn else "torch", type(self.attn).__name__,
         )
 
     @property

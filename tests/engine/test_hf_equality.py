@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from runtime import Engine
+from runtime.attention.cpu_backend import CpuAttention
+from runtime.attention.torch_backend import TorchAttention
 from tests.engine.hf_reference import Reference, compare, hf_greedy
 
 PROMPTS = [
@@ -65,15 +67,17 @@ def test_prompts_mix_lengths(prompt_ids: list[list[int]]) -> None:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_greedy_matches_hf(prompt_ids: list[list[int]], reference: list[Reference], overlap: bool) -> None:
-    run_and_compare(prompt_ids, reference, enable_overlap=overlap)
+    engine = run_and_compare(prompt_ids, reference, enable_overlap=overlap)
+    # the defaults on this CPU: oneDNN matmuls and the native decode kernel
+    assert engine.runner.model.onednn and isinstance(engine.runner.attn, CpuAttention)
 
 
-def test_greedy_matches_hf_with_torch_matmuls(
+def test_greedy_matches_hf_on_plain_torch(
     prompt_ids: list[list[int]], reference: list[Reference]
 ) -> None:
-    """The default matmuls are oneDNN on CPU (runtime/models/linear.py); F.linear must agree too."""
-    engine = run_and_compare(prompt_ids, reference, linear_backend="torch")
-    assert not engine.runner.model.onednn
+    """F.linear matmuls and gather + SDPA attention (what non-CPU devices run) must agree too."""
+    engine = run_and_compare(prompt_ids, reference, linear_backend="torch", attention_backend="torch")
+    assert not engine.runner.model.onednn and type(engine.runner.attn) is TorchAttention
 
 
 def test_chunked_prefill_matches_hf(prompt_ids: list[list[int]], reference: list[Reference]) -> None:

@@ -71,10 +71,13 @@ def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tu
     return tmp_path, model.eval()
 
 
-@pytest.mark.parametrize("linear", ["torch", "auto"])
-def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], linear: str) -> None:
+@pytest.mark.parametrize("backend", ["torch", "auto"], ids=["plain-torch", "onednn-native"])
+def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], backend: str) -> None:
     path, hf = tiny
-    config = EngineConfig(model=str(path), max_total_tokens=512, page_size=4, linear_backend=linear)  # type: ignore[arg-type]
+    config = EngineConfig(
+        model=str(path), max_total_tokens=512, page_size=4,
+        linear_backend=backend, attention_backend=backend,  # type: ignore[arg-type]
+    )
     runner = ModelRunner(config, 4)
     ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():

@@ -1,0 +1,59 @@
+"""CPU attention: TorchAttention whose decode reads the KV pool in place with a native kernel.
+
+Decode is where the torch backend spends its attention time copying every request's pages into a
+padded block before SDPA; csrc/paged_decode.cpp walks each request's slots directly instead
+(native.py builds it). Extend (prefill) is unchanged: one SDPA per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runtime.attention.base import BackendUnavailable
+from runtime.attention.native import load_paged_decode
+from runtime.attention.torch_backend import TorchAttention
+from runtime.engine.forward_batch import ForwardBatch
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+HEAD_DIMS = (32, 64, 96, 128, 256)  # the kernel's compiled head sizes
+MAX_GROUP = 16  # query heads per kv head
+
+
+class CpuAttention(TorchAttention):
+    def __init__(
+        self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, op: Callable[..., None]
+    ) -> None:
+        super().__init__(pool, req_to_token, scale)
+        self.op = op
+
+    @classmethod
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> CpuAttention:
+        k0 = pool.k[0]
+        if k0.device.type != "cpu" or k0.dtype != torch.float32:
+            raise BackendUnavailable(f"cpu attention needs a float32 CPU pool, not {k0.dtype} on {k0.device}")
+        if pool.head_dim not in HEAD_DIMS:
+            raise BackendUnavailable(f"cpu attention: head_dim {pool.head_dim} not in {HEAD_DIMS}")
+        op = load_paged_decode()
+        if op is None:
+            raise BackendUnavailable("cpu attention: the native kernel could not be built here")
+        return cls(pool, req_to_token, scale, op)
+
+    def begin(self, batch: ForwardBatch) -> None:
+        if batch.mode != "decode":
+            super().begin(batch)
+            return
+        self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)  # [B]
+        # [B, max_len] slot of every position of every request (rows are contiguous copies)
+        self.slot_table = self.req_to_token.table[batch.req_pool_indices, : max(batch.seq_lens)]
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b, h, d = q.shape
+        if h // self.pool.num_kv_heads > MAX_GROUP:
+            return super()._decode(layer, q)
+        out = torch.empty_like(q)  # [B, H, D]
+        self.op(q.contiguous(), self.pool.k[layer], self.pool.v[layer], self.slot_table,
+                self.seq_lens, self.scale, out)
+        return out.view(b, h * d)

@@ -1,0 +1,145 @@
+// Decode attention read in place from the paged KV pool (CPU, fp32).
+//
+// One query token per request attends to its first seq_lens[b] positions, whose K/V live at the
+// slots slot_table[b, 0:seq_lens[b]] of the pool. Nothing is gathered or padded: each
+// (request, kv head) item walks its own slots, so the work is the K/V bytes it really reads.
+// GQA: the G = H / KVH query heads of a kv head share one pass over its keys and values.
+// Vectors are GCC vector extensions (AVX-512 with -march=native where the CPU has it).
+//
+//   q        [B, H, D]           float32, contiguous
+//   k, v     [S, KVH, D]         float32, contiguous: one layer of the pool
+//   slots    [B, >= max(lens)]   int64, contiguous rows (req_to_token rows)
+//   seq_lens [B]                 int64
+//   out      [B, H, D]           float32, contiguous, written
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxGroup = 16;
+// aligned(4): loads and stores from any float address
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
+
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void store(float* p, Vec x) { *reinterpret_cast<Vec*>(p) = x; }
+inline float sum_lanes(Vec x) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += x[l];
+  return s;
+}
+
+// One (request, kv head): G query heads of C * 16 dims over L positions.
+// score: scratch of G * L floats.
+template <int C>
+void attend(const float* q, const float* k, const float* v, const int64_t* slot, int64_t L,
+            int64_t G, int64_t slot_stride, int64_t num_slots, float scale, float* score,
+            float* out) {
+  float max_score[kMaxGroup];
+  std::fill(max_score, max_score + G, -INFINITY);
+  for (int64_t j = 0; j < L; ++j) {  // scores: q . k_j for every head of the group
+    TORCH_CHECK(slot[j] >= 0 && slot[j] < num_slots, "paged_decode: slot out of range");
+    const float* kj = k + slot[j] * slot_stride;
+    Vec kr[C];
+    for (int c = 0; c < C; ++c) kr[c] = load(kj + c * kLanes);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = q + h * C * kLanes;
+      Vec acc = load(qh) * kr[0];
+      for (int c = 1; c < C; ++c) acc += load(qh + c * kLanes) * kr[c];
+      const float s = sum_lanes(acc) * scale;
+      score[h * L + j] = s;
+      max_score[h] = std::max(max_score[h], s);
+    }
+  }
+  float denom[kMaxGroup];
+  for (int64_t h = 0; h < G; ++h) {  // softmax numerators, in place
+    float* s = score + h * L;
+    float sum = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      s[j] = std::exp(s[j] - max_score[h]);
+      sum += s[j];
+    }
+    denom[h] = sum;
+  }
+  Vec acc[kMaxGroup][C];
+  for (int64_t h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = Vec{};
+  for (int64_t j = 0; j < L; ++j) {  // weighted sum of the values
+    const float* vj = v + slot[j] * slot_stride;
+    Vec vr[C];
+    for (int c = 0; c < C; ++c) vr[c] = load(vj + c * kLanes);
+    for (int64_t h = 0; h < G; ++h) {
+      const float p = score[h * L + j];
+      for (int c = 0; c < C; ++c) acc[h][c] += p * vr[c];
+    }
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) store(out + h * C * kLanes + c * kLanes, acc[h][c] / denom[h]);
+}
+
+using AttendFn = decltype(&attend<1>);
+
+AttendFn pick(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return &attend<2>;
+    case 64: return &attend<4>;
+    case 96: return &attend<6>;
+    case 128: return &attend<8>;
+    case 256: return &attend<16>;
+    default: return nullptr;
+  }
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slots, const at::Tensor& seq_lens, double scale,
+                  at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
+              "paged_decode: q/out [B, H, D], k/v [S, KVH, D]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "paged_decode: q, k, v, out must be contiguous float32 CPU tensors");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  slots.dim() == 2 && slots.stride(1) == 1 && seq_lens.is_contiguous(),
+              "paged_decode: slots [B, L] and seq_lens [B] must be int64 with contiguous rows");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && H % KVH == 0 && H / KVH <= kMaxGroup,
+              "paged_decode: head counts/dims do not match");
+  TORCH_CHECK(slots.size(0) == B && seq_lens.size(0) == B, "paged_decode: batch sizes differ");
+  const AttendFn fn = pick(D);
+  TORCH_CHECK(fn != nullptr, "paged_decode: head_dim ", D, " not compiled (32/64/96/128/256)");
+
+  const int64_t G = H / KVH, row_stride = slots.stride(0), num_slots = k.size(0);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= slots.size(1), "paged_decode: bad seq_len ", lens[b]);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* op = out.mutable_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, g = item % KVH, L = lens[b];
+      score.resize(G * L);
+      const int64_t head0 = b * H + g * G;
+      fn(qp + head0 * D, kp + g * D, vp + g * D, sp + b * row_stride, L, G, KVH * D, num_slots,
+         sc, score.data(), op + head0 * D);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(baton, m) {
+  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor seq_lens, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+}

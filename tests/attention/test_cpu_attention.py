@@ -1,0 +1,134 @@
+"""The native CPU decode kernel (backend "cpu") against plain torch attention (backend "torch").
+
+Both run through the AttentionBackend interface on a real paged pool whose pages are handed out
+in shuffled order, so each request's slots are scattered the way they are after churn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from runtime.attention.base import BackendUnavailable, create_attention_backend
+from runtime.attention.cpu_backend import CpuAttention
+from runtime.attention.torch_backend import TorchAttention
+from runtime.engine.forward_batch import ForwardBatch
+from runtime.kvcache.allocator import PageAllocator
+from runtime.kvcache.manager import KVCacheManager
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+
+@dataclass
+class Holder:
+    req_pool_idx: int | None = None
+    kv_pages: list[int] | None = None
+    kv_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_pages = []
+
+
+def decode_setup(
+    seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, page_size: int = 4, seed: int = 0
+) -> tuple[KVPool, ReqToTokenPool, ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pool filled with random K/V, requests of `seq_lens` on shuffled pages, one decode batch."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, torch.float32)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    allocator = PageAllocator(num_pages, page_size)
+    everything = allocator.alloc(num_pages)  # hand all pages back in random order: scattered
+    allocator.free([everything[i] for i in torch.randperm(num_pages, generator=g).tolist()])
+    table = ReqToTokenPool(len(seq_lens), max(seq_lens) + 8, "cpu")
+    kv = KVCacheManager(allocator, table)
+    holders = [Holder() for _ in seq_lens]
+    for h, n in zip(holders, seq_lens, strict=True):
+        kv.grow(h, n - 1)  # the prefix; the decode token takes the last slot below
+    out_loc = kv.grow_one_each(holders)  # type: ignore[arg-type]
+    b = len(seq_lens)
+    batch = ForwardBatch(
+        mode="decode",
+        input_ids=torch.zeros(b, dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in seq_lens]),
+        out_cache_loc=out_loc,
+        req_pool_indices=torch.tensor([h.req_pool_idx for h in holders]),
+        seq_lens=list(seq_lens),
+        extend_lens=[1] * b,
+        sampling=None,  # type: ignore[arg-type]
+    )
+    q = torch.randn(b, heads, head_dim, generator=g)
+    k = torch.randn(b, kv_heads, head_dim, generator=g)
+    v = torch.randn(b, kv_heads, head_dim, generator=g)
+    return pool, table, batch, q, k, v
+
+
+def run(backend: str, pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    attn = create_attention_backend(backend, pool, table, q.shape[-1] ** -0.5)
+    attn.begin(batch)
+    return attn.forward(0, q, k, v, batch)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (4, 4, 64), (8, 2, 128), (4, 1, 32), (32, 2, 96)],
+    ids=["smollm2-gqa3", "mha", "gqa4-d128", "mqa-d32", "gqa16-d96"],
+)
+def test_native_decode_equals_torch(heads: int, kv_heads: int, head_dim: int) -> None:
+    # lengths: 1 (only the new token), page-aligned, off by one either side, long
+    seq_lens = [1, 4, 5, 7, 8, 33, 130, 301]
+    pool, table, batch, q, k, v = decode_setup(seq_lens, heads, kv_heads, head_dim)
+    want = run("torch", pool, table, batch, q, k, v)
+    got = run("cpu", pool, table, batch, q, k, v)
+    assert got.shape == (len(seq_lens), heads * head_dim)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_native_decode_reads_only_its_own_slots() -> None:
+    """Poison every slot past each request's length: the output must not move."""
+    pool, table, batch, q, k, v = decode_setup([3, 17, 40], 9, 3, 64)
+    before = run("cpu", pool, table, batch, q, k, v)
+    used = torch.cat([table.table[i, :n] for i, n in enumerate(batch.seq_lens)])
+    unused = torch.ones(pool.num_slots, dtype=torch.bool)
+    unused[used] = False
+    pool.k[0][unused] = 1e4
+    pool.v[0][unused] = float("nan")
+    torch.testing.assert_close(run("cpu", pool, table, batch, q, k, v), before)
+
+
+def test_kernel_rejects_bad_input_instead_of_reading_out_of_bounds() -> None:
+    pool, table, batch, q, _, _ = decode_setup([5, 9], 9, 3, 64)
+    attn = create_attention_backend("cpu", pool, table, 0.125)
+    assert isinstance(attn, CpuAttention)
+    attn.begin(batch)
+    out = torch.empty_like(q)
+    lens = attn.seq_lens.clone()
+    slots = attn.slot_table.clone()
+    slots[1, 2] = pool.num_slots  # one past the end of the pool
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        attn.op(q, pool.k[0], pool.v[0], slots, lens, 0.125, out)
+    with pytest.raises(RuntimeError, match="bad seq_len"):
+        attn.op(q, pool.k[0], pool.v[0], attn.slot_table, lens * 100, 0.125, out)
+    with pytest.raises(RuntimeError, match="float32"):
+        attn.op(q.double(), pool.k[0], pool.v[0], attn.slot_table, lens, 0.125, out)
+
+
+def test_auto_picks_the_native_kernel_on_cpu_float32() -> None:
+    """g++ is on every machine this project runs its suite on: the fast path must really build."""
+    pool, table, *_ = decode_setup([4], 9, 3, 64)
+    assert isinstance(create_attention_backend("auto", pool, table, 0.125), CpuAttention)
+
+
+def test_cpu_backend_refuses_what_it_cannot_run_and_auto_falls_back() -> None:
+    bf16 = KVPool(1, 4, 4, 3, 64, torch.bfloat16)
+    odd = KVPool(1, 4, 4, 3, 48, torch.float32)
+    table = ReqToTokenPool(1, 16, "cpu")
+    for pool in (bf16, odd):
+        with pytest.raises(BackendUnavailable):
+            create_attention_backend("cpu", pool, table, 0.125)
+        attn = create_attention_backend("auto", pool, table, 0.125)
+        assert type(attn) is TorchAttention
