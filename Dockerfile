@@ -28,6 +28,12 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/tmp/huggingface \
     XDG_CACHE_HOME=/tmp/.cache
 
+# g++: model servers compile the native CPU decode-attention kernel on first start (~5 s, into
+# $XDG_CACHE_HOME/torch_extensions); without it they fall back to plain torch attention.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+
 RUN groupadd --system --gid 10001 baton \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin baton \
  && install -d -o 10001 -g 10001 /opt/baton/cache

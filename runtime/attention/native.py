@@ -1,8 +1,8 @@
 """Native CPU kernels (csrc/), compiled once per machine with its C++ compiler.
 
 `load_paged_decode()` builds csrc/paged_decode.cpp with `torch.utils.cpp_extension` (about 5 s
-the first time; ninja and g++ needed) into torch's extensions folder (TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions) and returns `torch.ops.baton.paged_decode`. The library name
+the first time; ninja and g++ needed) into torch's extensions folder (TORCH_EXTENSIONS_DIR, else
+$XDG_CACHE_HOME/torch_extensions, else ~/.cache/torch_extensions) and returns `torch.ops.baton.paged_decode`. The library name
 carries a hash of the source, the flags, torch's version and this CPU's feature flags, so a cached
 build is never loaded on a CPU it was not compiled for (-march=native). Where there is no
 compiler it returns None, says why once, and callers use plain torch.
