@@ -33,7 +33,9 @@ class CpuAttention(TorchAttention):
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> CpuAttention:
         k0 = pool.k[0]
         if k0.device.type != "cpu" or k0.dtype != torch.float32:
-            raise BackendUnavailable(f"cpu attention needs a float32 CPU pool, not {k0.dtype} on {k0.device}")
+            raise BackendUnavailable(
+                f"cpu attention needs a float32 CPU pool, not {k0.dtype} on {k0.device}"
+            )
         if pool.head_dim not in HEAD_DIMS:
             raise BackendUnavailable(f"cpu attention: head_dim {pool.head_dim} not in {HEAD_DIMS}")
         op = load_paged_decode()

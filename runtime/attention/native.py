@@ -2,10 +2,11 @@
 
 `load_paged_decode()` builds csrc/paged_decode.cpp with `torch.utils.cpp_extension` (about 5 s
 the first time; ninja and g++ needed) into torch's extensions folder (TORCH_EXTENSIONS_DIR, else
-$XDG_CACHE_HOME/torch_extensions, else ~/.cache/torch_extensions) and returns `torch.ops.baton.paged_decode`. The library name
-carries a hash of the source, the flags, torch's version and this CPU's feature flags, so a cached
-build is never loaded on a CPU it was not compiled for (-march=native). Where there is no
-compiler it returns None, says why once, and callers use plain torch.
+$XDG_CACHE_HOME/torch_extensions, else ~/.cache/torch_extensions) and returns
+`torch.ops.baton.paged_decode`. The library name carries a hash of the source, the flags,
+torch's version and this CPU's feature flags, so a cached build is never loaded on a CPU it was
+not compiled for (-march=native). Where there is no compiler it returns None, says why once, and
+callers use plain torch.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _cpu_flags() -> bytes:
 
 
 def _ensure_ninja_on_path() -> None:
-    """The `ninja` PyPI package puts its binary in the venv, which is not on PATH unless activated."""
+    """The `ninja` PyPI package installs into the venv, not on PATH unless the venv is active."""
     if shutil.which("ninja"):
         return
     try:
@@ -52,7 +53,8 @@ def load_paged_decode() -> Callable[..., None] | None:
     """The paged decode attention op, or None where it cannot be built here."""
     from torch.utils import cpp_extension
 
-    key = _SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()
+    key = b"|".join([_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
+                     _cpu_flags()])
     name = f"baton_paged_decode_{hashlib.sha256(key).hexdigest()[:16]}"
     _ensure_ninja_on_path()
     compiler = os.environ.get("CXX", "c++")

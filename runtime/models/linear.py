@@ -46,7 +46,9 @@ def onednn_available(device: str, dtype: torch.dtype) -> bool:
     """oneDNN linear works here: CPU, a dtype it computes, and torch built with the op."""
     if not device.startswith("cpu") or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     try:  # a build may list the op and still not run it for this dtype
         w, x = torch.ones(4, 8, dtype=dtype), torch.ones(2, 8, dtype=dtype)
