@@ -6,7 +6,7 @@ in shuffled order, so each request's slots are scattered the way they are after 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -22,13 +22,10 @@ from runtime.kvcache.req_to_token import ReqToTokenPool
 
 
 @dataclass
-class Holder:
+class Holder:  # what KVCacheManager needs of a request
     req_pool_idx: int | None = None
-    kv_pages: list[int] | None = None
+    kv_pages: list[int] = field(default_factory=list)
     kv_len: int = 0
-
-    def __post_init__(self) -> None:
-        self.kv_pages = []
 
 
 def decode_setup(
