@@ -1,6 +1,6 @@
 """Messages between the HTTP process and the scheduler process (and the offline Engine).
 
-Plain dataclasses; one msgpack codec (runtime.server.codec) carries them over ZMQ.
+Plain dataclasses; one msgpack codec (runtime.codec) carries them over ZMQ.
 Outputs are incremental: each ReqOutput carries only what is new since the request's last one,
 and `ReqOutput.concat` coalesces several of them into one (list-valued keys concatenated).
 """

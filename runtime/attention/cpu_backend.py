@@ -14,7 +14,7 @@ import torch
 from runtime.attention.base import BackendUnavailable
 from runtime.attention.native import load_paged_decode
 from runtime.attention.torch_backend import TorchAttention
-from runtime.engine.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 

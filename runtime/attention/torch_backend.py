@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend
-from runtime.engine.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch
 
 
 class TorchAttention(AttentionBackend):

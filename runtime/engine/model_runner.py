@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from runtime.attention.base import create_attention_backend
+from runtime.attention.registry import create_attention_backend
 from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.forward_batch import ForwardBatch, ForwardOutput
 from runtime.engine.penalty import PenaltyState
 from runtime.engine.sampler import create_sampler_backend
+from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.forward_batch import SamplingBatchInfo
+from runtime.forward_batch import SamplingBatchInfo
 
 
 class PenaltyState:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.forward_batch import SamplingBatchInfo
+from runtime.forward_batch import SamplingBatchInfo
 
 _MASK64 = (1 << 64) - 1
 

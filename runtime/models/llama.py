@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from runtime.attention.base import AttentionBackend
 from runtime.config import ModelConfig
-from runtime.engine.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch
 from runtime.models.linear import Linear
 from runtime.models.rope import RotaryEmbedding, apply_rope
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from runtime.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.req import Req
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from runtime.config import SchedulerConfig
-from runtime.engine.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
 from runtime.messages import ReqOutput
 from runtime.scheduler.batch import ScheduleBatch

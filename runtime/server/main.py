@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
 
 
 def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
-    from runtime.server.scheduler_process import run_scheduler_process
+    from runtime.scheduler.process import run_scheduler_process
 
     proc = mp.get_context("spawn").Process(
         target=run_scheduler_process,

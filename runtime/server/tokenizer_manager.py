@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.codec import CodecError, decode, encode
 from runtime.config import ServerArgs
 from runtime.messages import (
     AbortRequest,
@@ -31,7 +32,6 @@ from runtime.messages import (
     ShutdownRequest,
 )
 from runtime.scheduler.sampling_params import InvalidRequest
-from runtime.server.codec import CodecError, decode, encode
 from runtime.server.metrics import Metrics
 
 log = logging.getLogger("baton.server")

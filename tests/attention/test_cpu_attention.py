@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from runtime.attention.base import BackendUnavailable, create_attention_backend
+from runtime.attention.base import BackendUnavailable
 from runtime.attention.cpu_backend import CpuAttention
+from runtime.attention.registry import create_attention_backend
 from runtime.attention.torch_backend import TorchAttention
-from runtime.engine.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.engine.forward_batch import SamplingBatchInfo
 from runtime.engine.sampler import (
     SamplerOutput,
     TorchSampler,
     register_sampler_backend,
 )
+from runtime.forward_batch import SamplingBatchInfo
 
 PROMPT = "Write a short poem about the sea:"
 

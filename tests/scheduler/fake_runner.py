@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.forward_batch import ForwardBatch, ForwardOutput
+from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.req_to_token import ReqToTokenPool

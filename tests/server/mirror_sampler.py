@@ -3,8 +3,8 @@ into customized_info["mirror"]. Loaded in the scheduler process by `--plugin`.""
 
 from __future__ import annotations
 
-from runtime.engine.forward_batch import SamplingBatchInfo
 from runtime.engine.sampler import SamplerOutput, TorchSampler, register_sampler_backend
+from runtime.forward_batch import SamplingBatchInfo
 
 BACKEND = "mirror"
 FIELD = "mirror"

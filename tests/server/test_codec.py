@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from runtime.codec import CodecError, decode, encode
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
@@ -15,7 +16,6 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
-from runtime.server.codec import CodecError, decode, encode
 
 OUT = ReqOutput(
     "r1", [5, 6], prompt_tokens=3, completion_tokens=2,

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 import zmq
 
+from runtime.codec import decode, encode
 from runtime.config import ServerArgs
 from runtime.messages import (
     AbortRequest,
@@ -27,7 +28,6 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
-from runtime.server.codec import decode, encode
 
 log = logging.getLogger("baton.scheduler")
 

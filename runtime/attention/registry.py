@@ -1,0 +1,61 @@
+"""Attention backends by name; each implementation is imported only when it is asked for.
+
+Registered: "torch" (plain torch, any device), "cpu" (torch plus a native decode kernel, float32
+on CPU), "flashinfer"/"triton" (CUDA, not implemented yet). "auto" (the default) picks "cpu" for
+a CPU pool when it can be used there, else "torch". A factory is "module:callable" taking
+(pool, req_to_token, scale), so CUDA-only modules are never imported on the CPU path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from runtime.attention.base import AttentionBackend, BackendUnavailable
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+_REGISTRY: dict[str, str] = {
+    "torch": "runtime.attention.torch_backend:TorchAttention",
+    "cpu": "runtime.attention.cpu_backend:CpuAttention.create",
+}
+_NOT_YET = ("flashinfer", "triton")
+
+
+def register_attention_backend(name: str, factory_path: str) -> None:
+    """`factory_path` is "package.module:callable" (a class, or a dotted classmethod)."""
+    _REGISTRY[name] = factory_path
+
+
+def create_attention_backend(
+    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
+) -> AttentionBackend:
+    if name == "auto":
+        if pool.k[0].device.type == "cpu":
+            try:
+                return _create("cpu", pool, req_to_token, scale)
+            except BackendUnavailable as e:
+                log.info("attention: %s; using 'torch'", e)
+        return _create("torch", pool, req_to_token, scale)
+    if name in _NOT_YET and name not in _REGISTRY:
+        raise NotImplementedError(
+            f"attention backend {name!r} needs CUDA and is not implemented yet; use 'torch'"
+        )
+    if name not in _REGISTRY:
+        known = sorted([*_REGISTRY, *_NOT_YET, "auto"])
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}")
+    return _create(name, pool, req_to_token, scale)
+
+
+def _create(
+    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
+) -> AttentionBackend:
+    module, _, attr = _REGISTRY[name].partition(":")
+    factory: object = importlib.import_module(module)
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    backend = factory(pool, req_to_token, scale)  # type: ignore[operator]
+    assert isinstance(backend, AttentionBackend)
+    return backend
