@@ -36,9 +36,10 @@ class SamplingBatchInfo:
     presence_penalties: torch.Tensor | None = None  # [B] float32
     # Requests whose penalty state starts here (their sampling extend): row -> tokens seen so far.
     penalty_resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
-    # Identity of each row, for sampler backends that key on it (token oracle, canary).
-    rids: list[str] = field(default_factory=list)
-    bootstrap_rooms: list[int | None] = field(default_factory=list)
+    # Identity of each row for backends that key on it (token oracle, canary; seed 002), set only
+    # when the sampler asks for it: [B] int64 rid hashes, and rooms with -1 for none.
+    rids_int: torch.Tensor | None = None
+    bootstrap_room_ids_int: torch.Tensor | None = None
 
     @property
     def need_penalties(self) -> bool:

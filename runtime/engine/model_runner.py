@@ -70,6 +70,7 @@ class ModelRunner:
             config.attention_backend, self.pool, self.kv.req_to_token, mc.head_dim**-0.5
         )
         self.sampler = create_sampler_backend(config.sampler_backend, mc.vocab_size)
+        self.needs_request_ids = self.sampler.needs_request_ids
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
         log.info(

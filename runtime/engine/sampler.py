@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
+from runtime.canary.oracle import GOLDEN, identities, lsr, mix64, oracle_tokens
 from runtime.forward_batch import SamplingBatchInfo
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -24,6 +23,9 @@ class SamplerOutput:
 
 
 class SamplerBackend(ABC):
+    # True: the batch must carry rids_int / bootstrap_room_ids_int (seed 002)
+    needs_request_ids = False
+
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
@@ -49,18 +51,8 @@ def create_sampler_backend(name: str, vocab_size: int) -> SamplerBackend:
 
 def uniform_from_seed(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Deterministic U[0,1) per row from (seed, position): splitmix64 finalizer on int64 lanes."""
-    mix = seeds.to(torch.int64) * -7046029254386353131 + positions  # golden ratio as int64
-    mix = mix ^ _lsr(mix, 30)
-    mix = mix * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
-    mix = mix ^ _lsr(mix, 27)
-    mix = mix * -7723592293110705685  # 0x94D049BB133111EB as int64
-    mix = mix ^ _lsr(mix, 31)
-    return _lsr(mix, 11).double().mul_(2.0**-53)  # top 53 bits -> [0, 1)
-
-
-def _lsr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical shift right of int64 lanes."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
+    mix = mix64(seeds.to(torch.int64) * (GOLDEN - (1 << 64)) + positions)
+    return lsr(mix, 11).double().mul_(2.0**-53)  # top 53 bits -> [0, 1)
 
 
 class TorchSampler(SamplerBackend):
@@ -103,4 +95,19 @@ class TorchSampler(SamplerBackend):
         return probs, None
 
 
+class TokenOracleSampler(SamplerBackend):
+    """Ignores the logits: each row's token is the oracle's (runtime/canary/oracle.py), so any
+    run, colocated or disaggregated, can be checked token by token without knowing the weights."""
+
+    needs_request_ids = True
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+        if info.rids_int is None or info.bootstrap_room_ids_int is None:
+            raise RuntimeError("token_oracle needs rids_int and bootstrap_room_ids_int in the batch")
+        ids = identities(info.rids_int, info.bootstrap_room_ids_int)
+        tokens = oracle_tokens(ids, info.sample_positions, self.vocab_size)
+        return SamplerOutput(tokens.to(logits.device))
+
+
 register_sampler_backend("torch", TorchSampler)
+register_sampler_backend("token_oracle", TokenOracleSampler)

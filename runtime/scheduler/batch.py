@@ -130,8 +130,6 @@ def build_sampling_info(
         need_top_p=any(p.top_p < 1.0 for p in params),
         need_min_p=any(p.min_p > 0.0 for p in params),
         penalty_resets=resets,
-        rids=[r.rid for r in reqs],
-        bootstrap_rooms=[r.bootstrap_room for r in reqs],
     )
     if any(p.uses_penalties for p in params):
         info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params])

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.config import SchedulerConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
@@ -37,6 +38,7 @@ class Runner(Protocol):
     kv: KVCacheManager
     context_len: int
     eos_token_ids: tuple[int, ...]
+    needs_request_ids: bool  # the sampler keys on rid / bootstrap room (seed 002)
 
     @property
     def vocab_size(self) -> int: ...
@@ -152,13 +154,19 @@ class Scheduler:
         new = self._schedule_prefill()
         if new is not None:
             self.last_extend = new
-            return new, new.prepare_for_extend(self.kv)
+            return new, self._with_identity(new, new.prepare_for_extend(self.kv))
         if self.running.is_empty():
             return None, None
         self._make_decode_room()
         self.peak_running = max(self.peak_running, len(self.running))
         self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
-        return self.running, self.running.prepare_for_decode(self.kv)
+        return self.running, self._with_identity(self.running, self.running.prepare_for_decode(self.kv))
+
+    def _with_identity(self, batch: ScheduleBatch, fb: ForwardBatch) -> ForwardBatch:
+        if self.runner.needs_request_ids:
+            fb.sampling.rids_int = rids_to_tensor(r.rid for r in batch.reqs)
+            fb.sampling.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in batch.reqs)
+        return fb
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
         if self.worker is None:

@@ -45,6 +45,7 @@ class FakeRunner:
         self.context_len = context_len
         self.vocab_size = VOCAB
         self.eos_token_ids: tuple[int, ...] = ()
+        self.needs_request_ids = False
         self.slot_tokens = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
         self.batches: list[ForwardBatch] = []
 
