@@ -86,7 +86,13 @@ class ScheduleBatch:
             raise RuntimeError("decode batch without one input token per request")
         positions = torch.tensor([r.kv_len for r in self.reqs], dtype=torch.int64)
         slots = kv.grow_one_each(self.reqs)  # type: ignore[arg-type]
-        return self._forward_batch(positions, slots, [1] * len(self.reqs), [])
+        resets = []
+        for req in self.reqs:
+            if req.needs_penalty_reset:  # prebuilt (decode role): this step's input is its 1st token
+                assert req.req_pool_idx is not None
+                resets.append((req.req_pool_idx, req.origin_input_ids, req.output_ids[:-1]))
+                req.needs_penalty_reset = False
+        return self._forward_batch(positions, slots, [1] * len(self.reqs), resets)
 
     def _forward_batch(
         self,

@@ -46,6 +46,10 @@ class Req:
     customized_info: dict[str, list[Any]] = field(default_factory=dict)
     # How many output tokens have been sent out (OutputStreamer's cursor).
     sent_len: int = 0
+    # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
+    needs_penalty_reset: bool = False
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
     seed: int = field(default_factory=lambda: random.getrandbits(63))
 
     def __post_init__(self) -> None:
@@ -64,6 +68,22 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    def append_token(
+        self,
+        token: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        """Record one sampled token with what was asked for alongside it."""
+        self.output_ids.append(token)
+        if self.return_logprob and logprob is not None:
+            self.output_logprobs.append(logprob)
+            if self.top_logprobs_num and top_logprobs is not None:
+                self.output_top_logprobs.append(top_logprobs)
+        for key, value in (info or {}).items():
+            self.customized_info.setdefault(key, []).append(value)
 
     def check_finished(
         self,

@@ -46,6 +46,16 @@ class Runner(Protocol):
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
 
 
+class Handoff(Protocol):
+    """Where requests go once their prompt is fully prefilled, instead of the decode batch.
+
+    The prefill role's in-flight transfer queue: it receives each request as soon as its last
+    prompt chunk is launched (in overlap mode possibly before that forward finished; the
+    request's first output token appears when it has) and from then on owns it and its KV."""
+
+    def take(self, req: Req) -> None: ...
+
+
 @dataclass
 class Launched:
     """A forward in flight and what processing its result needs (a snapshot, not the batch)."""
@@ -63,11 +73,13 @@ class Scheduler:
         runner: Runner,
         decode_tail: Callable[[list[int]], str] | None = None,
         streamer: OutputStreamer | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv = runner.kv
         self.decode_tail = decode_tail
+        self.handoff = handoff
         self.streamer = streamer or OutputStreamer(
             config.stream_interval, config.forced_stream_interval
         )
@@ -81,6 +93,8 @@ class Scheduler:
         self.worker = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         )
+        self.launched_forwards = 0
+        self.finished_forwards = 0
         self.num_retractions = 0
         self.peak_running = 0
         self._aborted: list[Req] = []
@@ -129,6 +143,21 @@ class Scheduler:
         self._aborted.append(req)
         return True
 
+    def kv_fence(self) -> int:
+        """A fence for KV written from outside the forward thread (decode role: a transfer
+        writes pages just allocated). `fence_passed(kv_fence())` turns True once every forward
+        launched so far has finished.
+
+        NOTE: in overlap mode a request that finishes (or is aborted or retracted) has its pages
+        freed while the next forward, launched before we knew, still writes its slot. Forwards
+        run one at a time, so a later forward's writes land after that stale one and the page
+        is safe to reuse for them; a writer on another thread is not ordered with forwards and
+        must wait for the fence taken when its pages were allocated."""
+        return self.launched_forwards
+
+    def fence_passed(self, fence: int) -> bool:
+        return self.finished_forwards >= fence
+
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running.reqs or self.chunked_req or self.pending or self.last_extend
@@ -169,6 +198,7 @@ class Scheduler:
         return fb
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
+        self.launched_forwards += 1
         if self.worker is None:
             out = self.runner.forward_batch(fb)
             batch.input_ids = out.next_token_ids
@@ -190,9 +220,11 @@ class Scheduler:
 
     def process(self, done: Launched) -> list[Req]:
         out = done.result.result(timeout=FORWARD_TIMEOUT_S)
+        self.finished_forwards += 1
         ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
+        info = out.customized_info or {}
         touched = []
         for i, req in enumerate(done.reqs):
             # Dropped: finished or aborted meanwhile, evicted, or a prompt chunk that samples nothing.
@@ -200,28 +232,55 @@ class Scheduler:
                 continue
             if done.mode == "extend" and not done.is_last_chunk[i]:
                 continue
-            req.output_ids.append(ids[i])
-            if req.return_logprob and logprobs is not None:
-                req.output_logprobs.append(logprobs[i])
-                if req.top_logprobs_num and top is not None:
-                    k = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(top[1][i][:k], top[0][i][:k], strict=True)))
-            if out.customized_info:
-                for key, values in out.customized_info.items():
-                    req.customized_info.setdefault(key, []).append(values[i])
+            k = req.top_logprobs_num
+            req.append_token(
+                ids[i],
+                logprobs[i] if logprobs is not None else None,
+                list(zip(top[1][i][:k], top[0][i][:k], strict=True)) if top and k else None,
+                {key: values[i] for key, values in info.items()},
+            )
+            if self.handoff is not None and done.mode == "extend":
+                continue  # its first token is what the handoff waits for; it owns the request
             req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
             if req.finished:
                 self.kv.release(req)
             touched.append(req)
         return touched
 
+    def process_prebuilt(self, reqs: list[Req]) -> list[Req]:
+        """Decode role: requests whose prompt KV and first token came from a prefill server.
+
+        Each holds KV for its whole prompt (kv_len = prompt length) and its first output token
+        (from the transfer's aux record). That token becomes its `input_ids` (the one
+        cross-iteration bridge, seed 003) and the requests join the running decode batch; in
+        overlap mode the batch may still hold placeholders of the forward in flight, which
+        `resolve_future` swaps later and leaves these real ids alone. Returns `reqs`: their first
+        token is due to be emitted (a request may already be finished by it)."""
+        live = []
+        for req in reqs:
+            req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
+            if req.finished:
+                self.kv.release(req)
+                continue
+            req.needs_penalty_reset = req.sampling_params.uses_penalties
+            live.append(req)
+        if live:
+            first = torch.tensor([r.output_ids[-1] for r in live], dtype=torch.int64)
+            self.running.merge_batch(ScheduleBatch(reqs=live, input_ids=first))
+        return reqs
+
     # ---- policy -------------------------------------------------------------------------------
     def _fold_last_extend(self) -> None:
-        """Requests whose prompt is now fully cached join the running decode batch."""
+        """Requests whose prompt is now fully cached join the running decode batch, or go to the
+        handoff (prefill role: their KV goes to a decode server; it frees it)."""
         b, self.last_extend = self.last_extend, None
         if b is not None:
             b.filter_batch([i for i, r in enumerate(b.reqs) if b.is_last_chunk[i] and not r.finished])
-            self.running.merge_batch(b)
+            if self.handoff is None:
+                self.running.merge_batch(b)
+            else:
+                for req in b.reqs:
+                    self.handoff.take(req)
         self.running.filter_batch([i for i, r in enumerate(self.running.reqs) if not r.finished])
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
