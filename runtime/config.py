@@ -80,20 +80,28 @@ class ModelConfig:
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
 
 
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the model runner needs: where the weights are and how to run them."""
 
-    model: str = "builtin:smollm2-135m"
+    model: str = field(default="builtin:smollm2-135m", metadata=_help("HF folder or builtin:NAME"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto: "cpu" where it runs, else "torch"
-    sampler_backend: str = "torch"
-    linear_backend: LinearBackend = "auto"
+    attention_backend: str = field(
+        default="auto", metadata=_help("torch | cpu (native decode kernel) | auto: cpu where it runs")
+    )
+    sampler_backend: str = field(default="torch", metadata=_help("a registered sampler backend"))
+    linear_backend: LinearBackend = field(
+        default="auto", metadata=_help("matmuls: onednn (CPU) or torch; auto: onednn where it runs")
+    )
     page_size: int = 16
-    max_total_tokens: int = 32768
+    max_total_tokens: int = field(default=32768, metadata=_help("KV pool size in tokens"))
     context_length: int | None = None  # None: the model's max_position_embeddings
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
 
 
 @dataclass(frozen=True)
@@ -105,86 +113,77 @@ class SchedulerConfig:
     enable_overlap: bool = True
     # Fraction of each running request's remaining budget reserved when admitting new ones.
     new_token_ratio: float = 0.4
-    stream_interval: int = 1
+    stream_interval: int = field(default=1, metadata=_help("stream every N tokens"))
     # Non-streaming requests still emit every this many tokens so nothing waits for minutes.
-    forced_stream_interval: int = 64
+    forced_stream_interval: int = field(
+        default=64, metadata=_help("non-streaming requests still flush every N tokens")
+    )
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (DESIGN.md "Disaggregation flow"). Timeouts can also come
+    from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
+
+    bootstrap_port: int = field(default=8998, metadata=_help("prefill: the bootstrap server's port"))
+    kv_transfer: Literal["nixl", "tcp"] = field(
+        default="nixl", metadata=_help("KV transfer backend; tcp is the fallback without nixl")
+    )
+    bootstrap_timeout_s: float = field(
+        default=300.0, metadata=_help("a request waiting for its peer to show up fails after this")
+    )
+    waiting_timeout_s: float = field(
+        default=300.0, metadata=_help("decode: a request waiting for its KV fails after this")
+    )
+    heartbeat_interval_s: float = field(
+        default=5.0, metadata=_help("decode: how often it checks the prefill servers it waits on")
+    )
+    heartbeat_misses: int = field(
+        default=2, metadata=_help("decode: missed heartbeats before a prefill counts as gone")
+    )
+    advertise_host: str | None = field(
+        default=None,
+        metadata=_help("address peers reach this server's KV endpoint on (default: $POD_IP, "
+                       "else --host unless it is a wildcard, else this host's name)"),
+    )
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     """`baton serve` flags (DESIGN.md "CLI contract"); argparse defaults come from these fields.
 
-    Field names are the flags (`max_total_tokens` -> `--max-total-tokens`); `help` metadata is
-    the flag's help text.
+    Flags are the field names, the nested configs' fields included (`engine.max_total_tokens`
+    -> `--max-total-tokens`); `help` metadata is the flag's help text.
     """
 
-    model: str = field(default="builtin:smollm2-135m", metadata={"help": "HF folder or builtin:NAME"})
-    role: Role = field(default="colocated", metadata={"help": "colocated serves; prefill|decode: later"})
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    role: Role = field(default="colocated", metadata=_help("colocated, or one side of PD"))
     host: str = "127.0.0.1"
     port: int = 8000
-    bootstrap_port: int = 8998
-    kv_transfer: Literal["nixl", "tcp"] = "nixl"
     served_model_name: str | None = field(
-        default=None, metadata={"help": "name clients use as `model` (default: --model)"}
-    )
-    max_running_requests: int = 256
-    max_total_tokens: int = field(default=32768, metadata={"help": "KV pool size in tokens"})
-    chunked_prefill_size: int = 2048
-    enable_overlap: bool = True
-    stream_interval: int = field(default=1, metadata={"help": "stream every N tokens"})
-    forced_stream_interval: int = field(
-        default=64, metadata={"help": "non-streaming requests still flush every N tokens"}
-    )
-    context_length: int | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "cpu"
-    page_size: int = 16
-    attention_backend: str = field(
-        default="auto", metadata={"help": "torch | cpu (native decode kernel) | auto: cpu where it runs"}
-    )
-    sampler_backend: str = field(default="torch", metadata={"help": "a registered sampler backend"})
-    linear_backend: LinearBackend = field(
-        default="auto", metadata={"help": "matmuls: onednn (CPU) or torch; auto: onednn where it runs"}
+        default=None, metadata=_help("name clients use as `model` (default: --model)")
     )
     plugin: tuple[str, ...] = field(
         default=(),
-        metadata={"help": "module imported in the scheduler process first (repeatable); it may "
-                  "call register_sampler_backend"},
+        metadata=_help("module imported in the scheduler process first (repeatable); it may "
+                       "call register_sampler_backend"),
     )
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads (scheduler)"})
-    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger bodies get 413"})
+    max_body_bytes: int = field(default=1 << 20, metadata=_help("larger bodies get 413"))
     request_timeout_s: float = field(
-        default=600.0, metadata={"help": "abort a request that makes no progress this long"}
+        default=600.0, metadata=_help("abort a request that makes no progress this long")
     )
-    startup_timeout_s: float = field(default=600.0, metadata={"help": "model load + warm-up"})
+    startup_timeout_s: float = field(default=600.0, metadata=_help("model load + warm-up"))
     shutdown_grace_s: float = field(
-        default=30.0, metadata={"help": "on SIGTERM, in-flight requests get this long to finish"}
+        default=30.0, metadata=_help("on SIGTERM, in-flight requests get this long to finish")
     )
     log_level: str = "info"
 
     @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            sampler_backend=self.sampler_backend,
-            linear_backend=self.linear_backend,
-            page_size=self.page_size,
-            max_total_tokens=self.max_total_tokens,
-            context_length=self.context_length,
-            num_threads=self.num_threads,
-        )
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_running_requests=self.max_running_requests,
-            chunked_prefill_size=self.chunked_prefill_size,
-            enable_overlap=self.enable_overlap,
-            stream_interval=self.stream_interval,
-            forced_stream_interval=self.forced_stream_interval,
-        )
+        return self.served_model_name or self.engine.model

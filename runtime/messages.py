@@ -53,6 +53,31 @@ class SchedulerReady:
 
 
 @dataclass
+class DisaggStats:
+    """KV transfer activity of a prefill or decode server. Counters are increments since the
+    previous stats message; `rooms` is the current count per room state."""
+
+    transfers: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: list[float] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    rooms: dict[str, int] = field(default_factory=dict)  # state -> count
+
+    def failed(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def has_counts(self) -> bool:
+        return bool(self.transfers or self.transfer_bytes or self.transfer_seconds or self.failures)
+
+    def take(self) -> DisaggStats:
+        """These numbers, leaving zeroed counters behind (rooms stay a level)."""
+        out = DisaggStats(self.transfers, self.transfer_bytes, self.transfer_seconds,
+                          self.failures, dict(self.rooms))
+        self.transfers, self.transfer_bytes, self.transfer_seconds, self.failures = 0, 0, [], {}
+        return out
+
+
+@dataclass
 class SchedulerStats:
     num_waiting: int = 0
     num_running: int = 0
@@ -60,6 +85,7 @@ class SchedulerStats:
     kv_total_pages: int = 0
     page_size: int = 1
     kv_all_free: bool = True
+    disagg: DisaggStats | None = None
 
 
 @dataclass
@@ -69,6 +95,7 @@ class RequestError:
     rid: str
     message: str
     field: str | None = None
+    status: int = 400  # 409: a bootstrap room already in use
 
 
 @dataclass
@@ -129,6 +156,7 @@ Message = (
     | ShutdownRequest
     | SchedulerReady
     | SchedulerStats
+    | DisaggStats
     | RequestError
     | ReqOutput
     | BatchOutput
@@ -139,6 +167,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ShutdownRequest,
     SchedulerReady,
     SchedulerStats,
+    DisaggStats,
     RequestError,
     ReqOutput,
     BatchOutput,

@@ -1,16 +1,21 @@
-"""The scheduler process: owns the ModelRunner and the Scheduler; talks to the HTTP process over ZMQ.
+"""The scheduler process: owns the ModelRunner, the Scheduler and the server's role around it;
+talks to the HTTP process over ZMQ.
 
-Loop, one breath: receive (non-blocking while there is work, a bounded poll when idle) →
-`scheduler.step()` (its OutputStreamer sends the outputs) → send stats when they changed.
+Loop, one breath: receive (non-blocking while there is work, else a bounded wait that a role's
+thread can cut short through the wake pipe: a KV transfer that completes is handled at once) →
+`role.poll()` (prefill/decode queues) → `scheduler.step()` (its OutputStreamer sends the outputs)
+→ send stats when they changed.
 Started with multiprocessing `spawn` by `runtime.server.main`; it connects, the HTTP side binds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import signal
+import time
 from dataclasses import asdict
 
 import zmq
@@ -28,11 +33,36 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
+from runtime.scheduler.roles import ColocatedRole, Role, build_role
 
 log = logging.getLogger("baton.scheduler")
 
 IDLE_POLL_MS = 200
+ROLE_POLL_MS = 50  # rooms in flight: check their timeouts at least this often
 SHUTDOWN_MAX_STEPS = 10_000
+SHUTDOWN_ROLE_S = 10.0  # at shutdown, how long failed rooms may wait for their peer's word
+
+
+class WakePipe:
+    """Lets any thread cut the loop's wait short (a transfer finished, a frame arrived)."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+            os.write(self.w, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.r, 4096):
+                pass
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
 
 
 class SchedulerLoop:
@@ -43,13 +73,19 @@ class SchedulerLoop:
         from runtime.scheduler.streamer import OutputStreamer
 
         self.recv, self.send = recv, send
-        sched_cfg = args.scheduler_config()
-        self.runner = ModelRunner(args.engine_config(), sched_cfg.max_running_requests)
+        sched_cfg = args.scheduler
+        self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests)
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(
             sched_cfg, self.runner, decode_tail=self._decode_tail, streamer=self.streamer
         )
+        self.args = args
+        self.wakeup = WakePipe()
+        self.poller = zmq.Poller()
+        self.poller.register(recv, zmq.POLLIN)
+        self.poller.register(self.wakeup.r, zmq.POLLIN)
+        self.role: Role = ColocatedRole(self.scheduler)  # the real one once warmed up
         self.active: set[str] = set()
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
@@ -70,6 +106,8 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
         while self.scheduler.has_work():
             self.scheduler.step()
+        self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
+                               self.wakeup.wake)
         self.streamer.sender = self._send_outputs
         kv = self.runner.kv
         self._send(
@@ -85,12 +123,23 @@ class SchedulerLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         while not self.stopping:
-            self._receive(block=not (self.scheduler.has_work() or self.need_step))
+            self._receive(self._wait_ms())
+            self._poll_role()
             if self.scheduler.has_work() or self.need_step:
                 self.need_step = False
                 self._step()
             self._send_stats()
         self._drain()
+
+    def _wait_ms(self) -> int:
+        if self.scheduler.has_work() or self.need_step:
+            return 0
+        return ROLE_POLL_MS if self.role.has_work() else IDLE_POLL_MS
+
+    def _poll_role(self) -> None:
+        touched = self.role.poll()
+        if touched:
+            self.streamer.emit(touched)
 
     def _step(self) -> None:
         try:
@@ -102,8 +151,11 @@ class SchedulerLoop:
             self._send_outputs(outs)
             raise
 
-    def _receive(self, block: bool) -> None:
-        if block and not self.recv.poll(IDLE_POLL_MS):
+    def _receive(self, wait_ms: int) -> None:
+        ready = dict(self.poller.poll(wait_ms)) if wait_ms else {self.recv: zmq.POLLIN}
+        if self.wakeup.r in ready:
+            self.wakeup.drain()
+        if not ready:
             if os.getppid() != self.parent_pid:
                 log.warning("HTTP process is gone; exiting")
                 self.stopping = True
@@ -119,17 +171,18 @@ class SchedulerLoop:
         if isinstance(msg, GenerateRequest):
             self._add(msg)
         elif isinstance(msg, AbortRequest):
-            if self.scheduler.abort(msg.rid, msg.message):
+            if self.role.abort(msg.rid, msg.message):
                 self.need_step = True
         elif isinstance(msg, ShutdownRequest):
             for rid in list(self.active):
-                self.scheduler.abort(rid, msg.message)
+                self.role.abort(rid, msg.message)
             self.need_step = True
             self.stopping = True
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> None:
+        from runtime.disagg.rooms import RoomError
         from runtime.scheduler.req import Req
         from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 
@@ -143,21 +196,33 @@ class SchedulerLoop:
                 stream=msg.stream,
                 return_logprob=msg.return_logprob or msg.top_logprobs_num > 0,
                 top_logprobs_num=msg.top_logprobs_num,
+                bootstrap_host=msg.bootstrap_host,
+                bootstrap_port=msg.bootstrap_port,
                 bootstrap_room=msg.bootstrap_room,
             )
-            self.scheduler.add_request(req)
+            self.role.add(req)
         except InvalidRequest as e:
             self._send(RequestError(msg.rid, str(e), e.field))
+            return
+        except RoomError as e:
+            self._send(RequestError(msg.rid, str(e), "bootstrap_room", e.status))
             return
         self.active.add(msg.rid)
 
     def _drain(self) -> None:
-        """Shutting down: run until every aborted request has emitted its last output."""
+        """Shutting down: run until every aborted request has emitted its last output and the
+        role's rooms are settled (or SHUTDOWN_ROLE_S passed)."""
+        deadline = time.monotonic() + SHUTDOWN_ROLE_S
         for _ in range(SHUTDOWN_MAX_STEPS):
-            if not (self.scheduler.has_work() or self.need_step):
+            self._poll_role()
+            role_busy = self.role.has_work() and time.monotonic() < deadline
+            if not (self.scheduler.has_work() or self.need_step or role_busy):
                 break
             self.need_step = False
-            self._step()
+            if self.scheduler.has_work():
+                self._step()
+            else:
+                self._receive(ROLE_POLL_MS)
         self._send_stats()
 
     # ---- sending ----------------------------------------------------------------------------
@@ -169,8 +234,8 @@ class SchedulerLoop:
         self._send(BatchOutput(outputs, self.last_stats))
 
     def _send_stats(self) -> None:
-        stats = self.stats()
-        if stats != self.last_stats:
+        stats = self.stats()  # takes the role's counters: they must go out now
+        if stats != self.last_stats or (stats.disagg is not None and stats.disagg.has_counts()):
             self.last_stats = stats
             self._send(BatchOutput([], stats))
 
@@ -184,13 +249,16 @@ class SchedulerLoop:
             kv_total_pages=alloc.num_pages,
             page_size=alloc.page_size,
             kv_all_free=self.runner.kv.is_all_free(),
+            disagg=self.role.stats.take() if self.role.stats is not None else None,
         )
 
     def _send(self, msg: Message) -> None:
         self.send.send(encode(msg))
 
     def close(self) -> None:
+        self.role.close()
         self.scheduler.shutdown()
+        self.wakeup.close()
 
 
 def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None:
@@ -206,7 +274,7 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None
     recv.connect(in_addr)
     send.connect(out_addr)
     send.setsockopt(zmq.LINGER, 2000)
-    log.info("loading %s (%s)", args.model, asdict(args.engine_config()))
+    log.info("loading %s (%s)", args.model, asdict(args.engine))
     loop = SchedulerLoop(args, recv, send)
     try:
         loop.warm_up()

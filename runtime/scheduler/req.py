@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,13 @@ class Req:
                 self.output_top_logprobs.append(top_logprobs)
         for key, value in (info or {}).items():
             self.customized_info.setdefault(key, []).append(value)
+
+    def finish(self, kind: FinishKind, message: str | None = None) -> None:
+        self.finished_reason = FinishReason(kind, message=message)
+
+    def keep_first_token_only(self) -> None:
+        """Prefill role: this server samples the first token only; decode samples the rest."""
+        self.sampling_params = dataclasses.replace(self.sampling_params, max_new_tokens=1)
 
     def check_finished(
         self,

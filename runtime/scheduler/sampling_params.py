@@ -8,11 +8,17 @@ from typing import Any
 
 
 class InvalidRequest(ValueError):
-    """Bad input from a client. `field` names the offending parameter; servers map it to a 4xx."""
+    """Bad input from a client. `field` names the offending parameter; servers map it to a 4xx
+    (`status`: 400, or 409 for a bootstrap room already in use)."""
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.field = field
+        self.status = status
+
+    @property
+    def code(self) -> str:
+        return "room_in_use" if self.status == 409 else "invalid_request"
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,18 @@ class Scheduler:
                 "max_new_tokens",
             )
 
+    def can_reserve(self, req: Req) -> bool:
+        """Decode role: is there room for `req`'s prompt KV (arriving by transfer) while keeping
+        the running requests' decode reserve, and a request slot? Alone, it only needs to fit."""
+        alloc = self.kv.allocator
+        if self.kv.req_to_token.available == 0:
+            return False
+        prompt = alloc.pages_for(len(req.origin_input_ids))
+        reserve = alloc.pages_for(decode_reserve_tokens([*self.running.reqs, req], self.new_token_ratio))
+        if not self.has_work():
+            return prompt <= alloc.available_pages
+        return prompt + reserve <= alloc.available_pages
+
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish request `rid` with reason abort and free its KV. False if unknown."""
         candidates = [*self.waiting, *self.running.reqs]

@@ -1,33 +1,53 @@
-"""`baton serve` argument parsing: one flag per ServerArgs field, defaults from the dataclass."""
+"""`baton serve` argument parsing: one flag per ServerArgs field, defaults from the dataclasses.
+
+ServerArgs composes EngineConfig, SchedulerConfig and DisaggConfig; their fields are flags too
+(`--max-total-tokens`), parsed flat and put back together. The disagg timeouts may also come
+from the environment (BATON_<FIELD>, e.g. BATON_BOOTSTRAP_TIMEOUT_S), read here once; a flag
+wins over the environment.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
 
-from runtime.config import ServerArgs
+from runtime.config import DisaggConfig, ServerArgs
+
+ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def _unwrap_optional(tp: Any) -> Any:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return tp, False
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc,operator]
+
+
+def _env_default(name: str, default: Any, tp: Any) -> Any:
+    raw = os.environ.get(f"BATON_{name.upper()}") if name in ENV_FIELDS else None
+    if raw is None:
+        return default
+    try:
+        return tp(raw)
+    except ValueError:
+        raise SystemExit(f"baton serve: BATON_{name.upper()}={raw!r} is not a {tp.__name__}") from None
 
 
 def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
-    if f.default is not dataclasses.MISSING:
-        default = f.default
-    else:
-        default = f.default_factory()  # type: ignore[misc,operator]
-    help_text = f.metadata.get("help", "")
-    help_text = f"{help_text} (default: {default})".strip()
-    tp, _ = _unwrap_optional(tp)
+    tp = _unwrap_optional(tp)
+    default = _env_default(f.name, _default(f), tp)
+    help_text = f"{f.metadata.get('help', '')} (default: {default})".strip()
     origin = typing.get_origin(tp)
     if tp is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
@@ -39,13 +59,24 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: An
         parser.add_argument(flag, type=tp, default=default, help=help_text)
 
 
+def _sections() -> dict[str, type]:
+    """ServerArgs' nested configs: field name -> dataclass."""
+    hints = typing.get_type_hints(ServerArgs)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ServerArgs)
+            if dataclasses.is_dataclass(hints[f.name])}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="baton serve", description="OpenAI-compatible server for one model"
     )
-    hints = typing.get_type_hints(ServerArgs)
-    for f in dataclasses.fields(ServerArgs):
-        _add_flag(parser, f, hints[f.name])
+    sections = _sections()
+    for cls in [ServerArgs, *sections.values()]:
+        hints = typing.get_type_hints(cls)
+        group = parser if cls is ServerArgs else parser.add_argument_group(cls.__name__)
+        for f in dataclasses.fields(cls):
+            if f.name not in sections:
+                _add_flag(group, f, hints[f.name])  # type: ignore[arg-type]
     return parser
 
 
@@ -53,7 +84,11 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
     ns["plugin"] = tuple(ns["plugin"] or ())
-    args = ServerArgs(**ns)
+    nested = {
+        name: cls(**{f.name: ns.pop(f.name) for f in dataclasses.fields(cls)})
+        for name, cls in _sections().items()
+    }
+    args = ServerArgs(**nested, **ns)
     problems = _check(args)
     if problems:
         parser.error("; ".join(problems))
@@ -62,10 +97,17 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
 
 def _check(args: ServerArgs) -> list[str]:
     problems = []
-    for name in ("port", "max_running_requests", "max_total_tokens", "chunked_prefill_size",
-                 "stream_interval", "forced_stream_interval", "page_size", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    for obj, names in (
+        (args, ("port", "max_body_bytes")),
+        (args.engine, ("max_total_tokens", "page_size")),
+        (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
+                          "forced_stream_interval")),
+        (args.disagg, ("bootstrap_port", "heartbeat_misses")),
+    ):
+        problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
     if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0:
         problems.append("--request-timeout-s must be > 0 and --shutdown-grace-s >= 0")
+    d: DisaggConfig = args.disagg
+    if min(d.bootstrap_timeout_s, d.waiting_timeout_s, d.heartbeat_interval_s) <= 0:
+        problems.append("disagg timeouts and --heartbeat-interval-s must be > 0")
     return problems

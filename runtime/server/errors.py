@@ -71,7 +71,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, InvalidRequest)
-        return _counted(request, ApiError(400, str(exc), param=exc.field))
+        return _counted(request, ApiError(exc.status, str(exc), code=exc.code, param=exc.field))
 
     async def on_unavailable(_: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(503, str(exc), "service_unavailable", "unavailable"))

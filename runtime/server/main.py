@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -95,10 +94,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [http] %(message)s"
     )
-    if args.role != "colocated":
-        print(f"baton serve: --role {args.role} (disaggregation) is not implemented yet; "
-              "use --role colocated", file=sys.stderr)
-        return 2
     ipc_dir = tempfile.mkdtemp(prefix="baton-ipc-")
     try:
         return _serve(args, ipc_dir)

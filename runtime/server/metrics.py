@@ -11,12 +11,40 @@ from prometheus_client import (
     generate_latest,
 )
 
-from runtime.messages import SchedulerStats
+from runtime.messages import DisaggStats, SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
     60.0,
 )
+
+
+class DisaggMetrics:
+    """KV transfers of a prefill or decode server (DisaggStats): on prefill the transfers it sent
+    and how long each write took, on decode the transfers it received."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.transfers = Counter("baton_kv_transfers", "KV transfers completed", registry=r)
+        self.bytes = Counter("baton_kv_transfer_bytes", "KV bytes transferred", registry=r)
+        self.seconds = Histogram(
+            "baton_kv_transfer_seconds", "Time to write one room's KV into the decode pool",
+            registry=r, buckets=_LATENCY_BUCKETS,
+        )
+        self.failures = Counter(
+            "baton_kv_transfer_failures", "Rooms that failed, by reason", ["reason"], registry=r
+        )
+        self.rooms = Gauge("baton_disagg_rooms", "Bootstrap rooms in flight by state", ["state"],
+                           registry=r)
+
+    def update(self, stats: DisaggStats) -> None:
+        self.transfers.inc(stats.transfers)
+        self.bytes.inc(stats.transfer_bytes)
+        for seconds in stats.transfer_seconds:
+            self.seconds.observe(seconds)
+        for reason, n in stats.failures.items():
+            self.failures.labels(reason=reason).inc(n)
+        for state in ("bootstrapping", "waiting_for_input", "transferring"):
+            self.rooms.labels(state=state).set(stats.rooms.get(state, 0))
 
 
 class Metrics:
@@ -51,6 +79,7 @@ class Metrics:
         self.kv_used = Gauge("baton_kv_used_tokens", "KV slots in use (page granular)", registry=r)
         self.kv_total = Gauge("baton_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
+        self.disagg = DisaggMetrics(r)
 
     def on_tokens(self, n: int, since_last: float, first: bool, ttft: float) -> None:
         """`n` new tokens arrived `since_last` seconds after the previous ones."""
@@ -80,6 +109,8 @@ class Metrics:
         self.kv_used.set(stats.kv_used_pages * stats.page_size)
         self.kv_total.set(stats.kv_total_pages * stats.page_size)
         self.kv_usage.set(stats.kv_used_pages / max(stats.kv_total_pages, 1))
+        if stats.disagg is not None:
+            self.disagg.update(stats.disagg)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

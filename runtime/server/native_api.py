@@ -50,6 +50,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
     except ValueError as e:
         raise InvalidRequest(str(e), "sampling_params") from None
     SamplingParams.from_dict(body.sampling_params)  # fail fast, naming the field
+    [room] = body.rooms(tm.args.role, 1)
     ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
     return GenerateRequest(
         rid=body.rid or uuid.uuid4().hex,
@@ -60,7 +61,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         top_logprobs_num=body.top_logprobs_num,
         bootstrap_host=body.bootstrap_host,
         bootstrap_port=body.bootstrap_port,
-        bootstrap_room=body.bootstrap_room,
+        bootstrap_room=room,
     )
 
 
@@ -86,6 +87,8 @@ async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> Asyn
 
 @router.post("/abort")
 async def abort(body: AbortBody, request: Request) -> dict[str, Any]:
-    """Abort a running request by rid; its KV is freed. `aborted` is false for unknown rids."""
+    """Abort a running request and its KV: by rid, by the id an OpenAI response showed
+    (`cmpl-…`, `chatcmpl-…`: every choice of it), or by the rid given to an OpenAI request.
+    `aborted` is false when nothing matched."""
     tm: TokenizerManager = request.app.state.tm
-    return {"rid": body.rid, "aborted": tm.abort(body.rid, "aborted via /abort")}
+    return {"rid": body.rid, "aborted": tm.abort_matching(body.rid, "aborted via /abort")}

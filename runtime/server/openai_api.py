@@ -40,19 +40,22 @@ def _requests(
     tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
     max_new: int | None, top_logprobs: int | None,
 ) -> list[GenerateRequest]:
-    base = uuid.uuid4().hex
+    base = body.rid or uuid.uuid4().hex
+    rooms = body.rooms(tm.args.role, len(prompts) * body.n)
     reqs = []
     # No max_tokens: up to the context, or what the KV pool can hold for one request.
-    room = min(tm.info.context_len, tm.info.kv_capacity_tokens) if tm.info else 1
+    space = min(tm.info.context_len, tm.info.kv_capacity_tokens) if tm.info else 1
     for p, ids in enumerate(prompts):
         for j in range(body.n):
-            budget = max_new if max_new is not None else max(1, room - len(ids))
+            budget = max_new if max_new is not None else max(1, space - len(ids))
             params = body.sampling_params(budget, seed_offset=j)
             SamplingParams.from_dict(params)  # fail fast, naming the field
+            i = p * body.n + j
             reqs.append(GenerateRequest(
-                rid=f"{base}-{p * body.n + j}", input_ids=ids, sampling_params=params,
+                rid=f"{base}-{i}", input_ids=ids, sampling_params=params,
                 stream=body.stream, return_logprob=top_logprobs is not None,
-                top_logprobs_num=top_logprobs or 0,
+                top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
+                bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
             ))
     return reqs
 
@@ -75,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     reqs = _requests(tm, body, prompts, body.max_tokens, body.logprobs)
     prompt_tokens = sum(len(p) for p in prompts)
     gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
-    rid = f"cmpl-{reqs[0].rid.split('-')[0]}"
+    rid = f"cmpl-{reqs[0].rid.rsplit('-', 1)[0]}"
     if body.stream:
         events = _completion_events(tm, body, gens, firsts, rid, prompt_tokens)
         return sse.sse_response(events)
@@ -113,7 +116,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     top = (body.top_logprobs or 0) if body.logprobs else None
     reqs = _requests(tm, body, [ids], body.max_new_tokens, top)
     gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
-    rid = f"chatcmpl-{reqs[0].rid.split('-')[0]}"
+    rid = f"chatcmpl-{reqs[0].rid.rsplit('-', 1)[0]}"
     if body.stream:
         return sse.sse_response(_chat_events(tm, body, gens, firsts, rid, len(ids)))
     deltas = await sse.until_disconnect(request, finish(gens, firsts))

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from runtime.scheduler.sampling_params import InvalidRequest
+
 INT64_MAX = (1 << 63) - 1
 MAX_TOKENS_LIMIT = (1 << 31) - 1
 
@@ -25,6 +27,7 @@ def _integral(value: Any) -> Any:
 _INTEGRAL = BeforeValidator(_integral)
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT), _INTEGRAL]
 Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX), _INTEGRAL]
+Room = Annotated[int, Field(ge=0, le=INT64_MAX), _INTEGRAL]  # 63-bit, drawn by the router
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), _INTEGRAL]
 Stop = str | Annotated[list[str], Field(max_length=16)]
 
@@ -37,7 +40,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
+class Bootstrap(_Strict):
+    """What `baton router` adds to a request for a prefill/decode pair (.notes/pd_contract.md):
+    the request id, the prefill's bootstrap address and one room per choice."""
+
+    rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    bootstrap_host: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535), _INTEGRAL] | None = None
+    bootstrap_room: Room | Annotated[list[Room], Field(min_length=1, max_length=256)] | None = None
+
+    def rooms(self, role: str, choices: int) -> list[int | None]:
+        """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""
+        room = self.bootstrap_room
+        if role != "colocated" and (room is None or not self.bootstrap_host
+                                    or self.bootstrap_port is None):
+            raise InvalidRequest(
+                f"a {role} server needs bootstrap_host, bootstrap_port and bootstrap_room "
+                "(send requests through `baton router`)", "bootstrap_room")
+        if room is None:
+            return [None] * choices
+        rooms = [room] if isinstance(room, int) else list(room)
+        if len(rooms) != choices or len(set(rooms)) != len(rooms):
+            raise InvalidRequest(f"bootstrap_room: give {choices} distinct room(s), one per "
+                                 f"choice; got {len(rooms)}", "bootstrap_room")
+        return list(rooms)
+
+
+class SamplingFields(Bootstrap):
     """Fields shared by both OpenAI endpoints."""
 
     model: str
@@ -134,19 +163,15 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class GenerateBody(_Strict):
+class GenerateBody(Bootstrap):
     """Native /generate: one prompt as `text` or `input_ids`, sglang's sampling_params."""
 
     text: str | None = None
     input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
-    rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Field(ge=0, le=20), _INTEGRAL] = 0
-    bootstrap_host: str | None = None
-    bootstrap_port: Annotated[int, Field(ge=0, le=65535), _INTEGRAL] | None = None
-    bootstrap_room: Seed | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateBody:

@@ -156,6 +156,13 @@ class TokenizerManager:
             return False
         return True
 
+    def abort_matching(self, rid: str, message: str) -> bool:
+        """Abort `rid`, or every choice of it (`rid-0`, `rid-1`, ...); an OpenAI response id
+        (`cmpl-X`, `chatcmpl-X`) names the request X. True if anything was aborted."""
+        base = rid.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        targets = [r for r in self.states if r in (rid, base) or r.startswith(f"{base}-")]
+        return any([self.abort(r, message) for r in targets])
+
     async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:
         """Everything queued for the request since the last call, coalesced into one output."""
         if not state.outputs and state.error is None:
@@ -165,7 +172,7 @@ class TokenizerManager:
                 raise RequestTimeout(f"no output for {timeout:.0f} s") from None
         state.event.clear()
         if state.error is not None:
-            raise InvalidRequest(state.error.message, state.error.field)
+            raise InvalidRequest(state.error.message, state.error.field, state.error.status)
         outputs, state.outputs = state.outputs, []
         return ReqOutput.concat(outputs)
 

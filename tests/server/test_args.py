@@ -6,14 +6,23 @@ import dataclasses
 
 import pytest
 
-from runtime.config import ServerArgs
+from runtime.config import DisaggConfig, EngineConfig, SchedulerConfig, ServerArgs
 from runtime.server.args import build_parser, parse_server_args
 
 
 def test_defaults_come_from_the_dataclass() -> None:
     assert parse_server_args([]) == ServerArgs()
     flags = {a.dest for a in build_parser()._actions}
-    assert {f.name for f in dataclasses.fields(ServerArgs)} <= flags
+    names = {f.name for cls in (ServerArgs, EngineConfig, SchedulerConfig, DisaggConfig)
+             for f in dataclasses.fields(cls)} - {"engine", "scheduler", "disagg"}
+    assert names <= flags
+
+
+def test_timeouts_from_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_BOOTSTRAP_TIMEOUT_S", "7.5")
+    monkeypatch.setenv("BATON_HEARTBEAT_MISSES", "4")
+    args = parse_server_args(["--heartbeat-misses", "3"])
+    assert (args.disagg.bootstrap_timeout_s, args.disagg.heartbeat_misses) == (7.5, 3)
 
 
 def test_cli_contract_flags() -> None:
@@ -23,10 +32,11 @@ def test_cli_contract_flags() -> None:
         "--max-running-requests", "4", "--max-total-tokens", "1024", "--no-enable-overlap",
         "--plugin", "a.b", "--plugin", "c", "--sampler-backend", "mirror",
     ])
-    assert (args.model, args.role, args.port, args.kv_transfer, args.model_name) == ("/m", "decode", 9000, "tcp", "x")
-    assert args.plugin == ("a.b", "c") and not args.enable_overlap
-    assert args.engine_config().sampler_backend == "mirror"
-    assert args.scheduler_config().max_running_requests == 4
+    assert (args.model, args.role, args.port, args.model_name) == ("/m", "decode", 9000, "x")
+    assert (args.disagg.kv_transfer, args.disagg.bootstrap_port) == ("tcp", 9001)
+    assert args.plugin == ("a.b", "c") and not args.scheduler.enable_overlap
+    assert args.engine.sampler_backend == "mirror" and args.engine.max_total_tokens == 1024
+    assert args.scheduler.max_running_requests == 4
 
 
 @pytest.mark.parametrize("argv", [["--role", "router"], ["--port", "0"], ["--stream-interval", "0"]])

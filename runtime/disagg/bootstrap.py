@@ -1,0 +1,132 @@
+"""The prefill server's bootstrap HTTP server (`--bootstrap-port`), where decode servers find it.
+
+GET  /health                 200 while the process is up
+GET  /route                  503 until the KV endpoint is registered; then instance id, layout
+                             and transfer backend (a restarted prefill has a new instance id)
+POST /peers                  a decode server introduces itself (PeerRegistration); 409 when its
+                             KV layout or backend cannot work with ours, saying what differs
+POST /rooms                  a decode server's pages for one room (RoomRequest); 404 unknown_peer
+                             (re-register), 409 room_in_use
+DELETE /rooms/<room>         cancel: 200 {"cancelled": true} promises no write will happen;
+                             202 {"cancelled": false} means a transfer is under way, and its
+                             RoomDone/RoomFailed frame will follow on the link
+A small stdlib ThreadingHTTPServer on its own threads; what it learns goes to a `Rooms` owner
+(the prefill role) which is thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from runtime.disagg.rooms import RoomInUse
+from runtime.disagg.wire import PeerRegistration, RoomRequest
+
+log = logging.getLogger(__name__)
+
+
+class PeerRejected(ValueError):
+    """A decode server whose pool cannot receive our pages (the message says why): a 409."""
+
+
+class UnknownPeer(KeyError):
+    pass
+
+
+class Rooms(Protocol):
+    def route(self) -> dict[str, Any] | None: ...
+    def register_peer(self, peer: PeerRegistration) -> dict[str, Any]: ...
+    def offer_room(self, request: RoomRequest) -> None: ...
+    def cancel_room(self, room: int) -> bool: ...
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("bootstrap: " + fmt, *args)
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, code: str) -> None:
+        self._reply(status, {"error": {"message": message, "type": "bootstrap_error", "code": code}})
+
+    def _json(self) -> dict[str, Any]:
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n) or b"{}")
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        return body
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._reply(200, {"status": "ok"})
+        elif self.path == "/route":
+            route = self.server.rooms.route()
+            if route is None:
+                self._error(503, "the KV endpoint is not registered yet", "not_ready")
+            else:
+                self._reply(200, route)
+        else:
+            self._error(404, f"no route {self.path}", "not_found")
+
+    def do_POST(self) -> None:
+        try:
+            body = self._json()
+            if self.path == "/peers":
+                info = self.server.rooms.register_peer(PeerRegistration(**body))
+                self._reply(200, {"backend_info": info})
+            elif self.path == "/rooms":
+                self.server.rooms.offer_room(RoomRequest(**body))
+                self._reply(200, {"room": body["room"], "accepted": True})
+            else:
+                self._error(404, f"no route {self.path}", "not_found")
+        except UnknownPeer as e:
+            self._error(404, f"unknown decode server {e}; register with POST /peers", "unknown_peer")
+        except RoomInUse as e:
+            self._error(409, str(e), "room_in_use")
+        except PeerRejected as e:
+            self._error(409, str(e), "peer_rejected")
+        except (ValueError, TypeError, KeyError) as e:
+            self._error(400, f"bad request: {e}", "bad_request")
+
+    def do_DELETE(self) -> None:
+        prefix = "/rooms/"
+        if not self.path.startswith(prefix) or not self.path[len(prefix):].lstrip("-").isdigit():
+            self._error(404, f"no route {self.path}", "not_found")
+            return
+        cancelled = self.server.rooms.cancel_room(int(self.path[len(prefix):]))
+        self._reply(200 if cancelled else 202, {"cancelled": cancelled})
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    rooms: Rooms
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, rooms: Rooms) -> None:
+        try:
+            self.httpd = _Server((host, port), _Handler)
+        except OSError as e:
+            raise OSError(f"bootstrap server cannot listen on {host}:{port}: {e} "
+                          "(--bootstrap-port)") from e
+        self.httpd.rooms = rooms
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="bootstrap", daemon=True)
+        self.thread.start()
+        log.info("bootstrap server on %s:%d", host, self.port)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

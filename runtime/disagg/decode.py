@@ -1,0 +1,247 @@
+"""Decode role: the prealloc queue and the transfer queue in front of the scheduler.
+
+  Bootstrapping      prealloc: wait (never fail) until the pool has room for the prompt with the
+                     running requests' reserve kept, take the pages, wait for the scheduler's KV
+                     fence (an overlapped forward may still write a page just freed), then send
+                     the page indices to the prefill (POST /rooms, on a worker thread)
+  WaitingForInput    the prefill may write into those pages now
+  Transferring       its RoomDone (aux record: first token, logprob, customized_info) arrived;
+                     the room waits for the backend's own "landed" signal
+  Success            the request goes through `process_prebuilt` into the running decode batch
+  Failed             the request ends with a clear error; its pages are freed as soon as the
+                     prefill can no longer write them: it never knew them, it said so (cancel
+                     answered, a terminal frame came), it is gone (heartbeats), or the waiting
+                     timeout passed once more
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Generic
+
+from runtime.config import DisaggConfig
+from runtime.disagg.heartbeat import Heartbeats
+from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.peers import Address, Ambiguous, PrefillClient
+from runtime.disagg.receiver import KVReceiver
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState
+from runtime.disagg.transfer.base import KVTransfer
+from runtime.disagg.wire import AuxRecord, RoomDone, RoomFailed, RoomRequest
+from runtime.kvcache.manager import KVCacheManager
+from runtime.messages import DisaggStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Room(Generic[R]):
+    room: Room
+    req: R
+    addr: Address
+    fence: int | None = None  # pages taken at this KV fence
+    registering: Future[None] | None = None
+    registered: bool = False  # the prefill may write into our pages
+    aux: AuxRecord | None = None
+    prefill_done: bool = False  # a RoomDone/RoomFailed came: the prefill writes no more
+    cancel: Future[bool] | None = None
+    give_up_at: float = 0.0  # failed: free the pages at this time whatever the prefill says
+
+
+@dataclass
+class DecodeRole(Generic[R]):
+    scheduler: SchedulerPort[R]
+    kv: KVCacheManager
+    transfer: KVTransfer
+    client: PrefillClient
+    receiver: KVReceiver
+    config: DisaggConfig
+    wake: Callable[[], None]
+    vocab_size: int
+    stats: DisaggStats = field(default_factory=DisaggStats)
+
+    def __post_init__(self) -> None:
+        self.rooms: dict[int, _Room[R]] = {}  # the scheduler loop's thread only
+        self.by_rid: dict[str, int] = {}
+        self.prealloc: deque[int] = deque()
+        self.workers = ThreadPoolExecutor(4, thread_name_prefix="decode-peers")
+        self.heartbeats = Heartbeats(self.client.alive, self.workers, self.config, self.wake)
+        self.kv_bytes_per_page = self.transfer.layout.page_bytes * self.transfer.layout.num_layers
+        self._aborted: list[R] = []
+
+    def add(self, req: R) -> None:
+        if req.bootstrap_room is None or not req.bootstrap_host or req.bootstrap_port is None:
+            raise RoomError("a decode server needs bootstrap_host, bootstrap_port and "
+                            "bootstrap_room (send requests through `baton router`)")
+        self.scheduler.validate(req)
+        if req.bootstrap_room in self.rooms:
+            raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
+        addr = (req.bootstrap_host, req.bootstrap_port)
+        self.rooms[req.bootstrap_room] = _Room(Room(req.bootstrap_room), req, addr)
+        self.by_rid[req.rid] = req.bootstrap_room
+        self.prealloc.append(req.bootstrap_room)
+
+    def poll(self) -> list[R]:
+        """Advance every room; returns the requests to emit (first tokens, failures)."""
+        touched, self._aborted = self._aborted, []
+        self._take_frames(touched)
+        self._preallocate()
+        for addr in self.heartbeats.check(self._watched()):
+            self._prefill_gone(addr, touched)
+        for r in list(self.rooms.values()):
+            self._advance(r, touched)
+        self._count_rooms()
+        return touched
+
+    def _take_frames(self, touched: list[R]) -> None:
+        while True:
+            try:
+                frame = self.receiver.frames.get_nowait()
+            except queue.Empty:
+                return
+            room = frame.aux.room if isinstance(frame, RoomDone) else getattr(frame, "room", None)
+            r = self.rooms.get(room) if isinstance(room, int) else None
+            if r is None:
+                continue  # a room we already ended (e.g. cancelled, then the prefill's answer)
+            if isinstance(frame, RoomDone):
+                r.prefill_done, r.aux = True, frame.aux
+                r.room.advance(RoomState.TRANSFERRING)
+            elif isinstance(frame, RoomFailed):
+                r.prefill_done = True
+                self._fail(r, f"the prefill server failed: {frame.reason}", touched, "prefill_failed")
+
+    def _preallocate(self) -> None:
+        while self.prealloc:
+            r = self.rooms.get(self.prealloc[0])
+            if r is None or r.room.state.terminal:
+                self.prealloc.popleft()
+                continue
+            if not self.scheduler.can_reserve(r.req):
+                return  # the pool is full: wait, in arrival order, never fail for it
+            self.kv.grow(r.req, len(r.req.origin_input_ids))
+            r.fence = self.scheduler.kv_fence()
+            self.prealloc.popleft()
+
+    def _advance(self, r: _Room[R], touched: list[R]) -> None:
+        state = r.room.state
+        if state is RoomState.FAILED:
+            self._settle(r)
+        elif state is RoomState.BOOTSTRAPPING:
+            self._register(r, touched)
+        elif r.aux is not None and self.transfer.landed(r.room.room):
+            self._prebuilt(r, r.aux, touched)
+        elif r.room.waited() > self.config.waiting_timeout_s:  # waiting for input, or to land
+            t = self.config.waiting_timeout_s
+            self._fail(r, f"the KV for room {r.room.room} did not arrive within {t:.0f} s",
+                       touched, "waiting_timeout")
+
+    def _register(self, r: _Room[R], touched: list[R]) -> None:
+        if r.registering is None:
+            if r.fence is not None and self.scheduler.fence_passed(r.fence):
+                request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
+                                      len(r.req.origin_input_ids), list(r.req.kv_pages))
+                r.registering = self.workers.submit(self.client.register_room, r.addr, request)
+                r.registering.add_done_callback(lambda _: self.wake())
+            elif r.room.waited() > self.config.bootstrap_timeout_s:
+                self._fail(r, f"no KV pages for room {r.room.room} within "
+                           f"{self.config.bootstrap_timeout_s:.0f} s", touched, "bootstrap_timeout")
+        elif r.registering.done():
+            error = r.registering.exception()
+            if error is None:
+                r.registered = True
+                r.room.advance(RoomState.WAITING_FOR_INPUT)
+            else:
+                r.registered = isinstance(error, Ambiguous)
+                kind = "room_in_use" if isinstance(error, RoomInUse) else "refused"
+                self._fail(r, str(error), touched, kind)
+
+    def _prebuilt(self, r: _Room[R], aux: AuxRecord, touched: list[R]) -> None:
+        problem = self._aux_problem(r.req, aux)
+        if problem:
+            self._fail(r, problem, touched, "bad_aux")
+            return
+        top = [(int(t), float(lp)) for t, lp in aux.top_logprobs] if aux.top_logprobs else None
+        r.req.append_token(aux.token, aux.logprob, top, aux.customized_info)
+        r.room.advance(RoomState.SUCCESS)
+        self.stats.transfers += 1
+        self.stats.transfer_bytes += len(r.req.kv_pages) * 2 * self.kv_bytes_per_page
+        self.transfer.discard(r.room.room)
+        self._drop(r)
+        touched.extend(self.scheduler.process_prebuilt([r.req]))
+
+    def _aux_problem(self, req: R, aux: AuxRecord) -> str | None:
+        if aux.room != req.bootstrap_room or aux.prompt_len != len(req.origin_input_ids):
+            return (f"aux record mismatch: room {aux.room} / {aux.prompt_len} tokens for room "
+                    f"{req.bootstrap_room} / {len(req.origin_input_ids)} tokens")
+        if not 0 <= aux.token < self.vocab_size:
+            return f"aux record for room {aux.room}: token {aux.token} outside the vocabulary"
+        return None
+
+    def _fail(self, r: _Room[R], reason: str, touched: list[R], kind: str) -> None:
+        if not r.room.fail(reason):
+            return
+        self.stats.failed(kind)
+        r.give_up_at = time.monotonic() + self.config.waiting_timeout_s
+        if not r.req.finished:
+            r.req.finish("abort", reason)
+            touched.append(r.req)
+        log.info("room %d failed: %s", r.room.room, reason)
+        self._settle(r)
+
+    def _settle(self, r: _Room[R]) -> None:
+        """A failed room: free its pages once nobody can write them any more."""
+        if r.registered and not r.prefill_done:
+            if r.cancel is None:
+                r.cancel = self.workers.submit(self.client.cancel_room, r.addr, r.room.room)
+                r.cancel.add_done_callback(lambda _: self.wake())
+                return
+            said_no_write = r.cancel.done() and r.cancel.exception() is None and r.cancel.result()
+            if not said_no_write and time.monotonic() < r.give_up_at:
+                return
+        self.kv.release(r.req)
+        self.transfer.discard(r.room.room)
+        self._drop(r)
+
+    def _prefill_gone(self, addr: Address, touched: list[R]) -> None:
+        for r in [r for r in self.rooms.values() if r.addr == addr]:
+            r.prefill_done = True  # a dead process writes nothing
+            self._fail(r, f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
+                       touched, "prefill_gone")
+
+    def _watched(self) -> set[Address]:
+        return {r.addr for r in self.rooms.values() if r.registered and not r.room.state.terminal}
+
+    def _drop(self, r: _Room[R]) -> None:
+        self.rooms.pop(r.room.room, None)
+        self.by_rid.pop(r.req.rid, None)
+
+    def abort(self, rid: str, message: str) -> bool:
+        room = self.by_rid.get(rid)
+        r = self.rooms.get(room) if room is not None else None
+        if r is None:
+            return self.scheduler.abort(rid, message)  # prebuilt already: the scheduler's
+        if r.req.finished:
+            return False
+        self._fail(r, message, self._aborted, "aborted")
+        self.wake()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.rooms or self._aborted)
+
+    def _count_rooms(self) -> None:
+        counts: dict[str, int] = {}
+        for r in self.rooms.values():
+            counts[r.room.state.value] = counts.get(r.room.state.value, 0) + 1
+        self.stats.rooms = counts
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+        self.transfer.close()

@@ -1,0 +1,57 @@
+"""What the prefill and decode roles need of a request and of the scheduler.
+
+Structural types, so disagg/ depends on kvcache/ only (DESIGN.md "Dependency directions":
+scheduler -> disagg); the scheduler's Req and Scheduler satisfy them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, TypeVar
+
+from runtime.kvcache.manager import KVHolder
+
+
+class PDRequest(KVHolder, Protocol):
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    bootstrap_room: int | None
+    output_logprobs: list[float]
+    output_top_logprobs: list[list[tuple[int, float]]]
+    customized_info: dict[str, list[Any]]
+
+    @property
+    def finished(self) -> bool: ...
+
+    def append_token(
+        self,
+        token: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None: ...
+
+    def finish(self, kind: Literal["length", "abort"], message: str | None = None) -> None: ...
+
+    def keep_first_token_only(self) -> None: ...
+
+
+R = TypeVar("R", bound=PDRequest)
+
+
+class SchedulerPort(Protocol[R]):
+    def add_request(self, req: R) -> None: ...
+
+    def validate(self, req: R) -> None: ...
+
+    def abort(self, rid: str, message: str = "aborted") -> bool: ...
+
+    def process_prebuilt(self, reqs: list[R]) -> list[R]: ...
+
+    def can_reserve(self, req: R) -> bool: ...
+
+    def kv_fence(self) -> int: ...
+
+    def fence_passed(self, fence: int) -> bool: ...

@@ -1,0 +1,128 @@
+"""The decode server's side of its conversations with prefill bootstrap servers.
+
+Blocking HTTP calls, made from the decode role's worker threads, never from the scheduler loop.
+A prefill is known by its address; what is cached about it (that we registered with it, under
+which instance id) is dropped whenever it answers "unknown peer" or stops answering, so a prefill
+that restarted on the same address is found again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+
+from runtime.disagg.rooms import RoomInUse
+from runtime.disagg.transfer.base import KVTransfer, TransferError
+from runtime.disagg.wire import KVLayout, PeerRegistration, RoomRequest
+
+log = logging.getLogger(__name__)
+
+HTTP_TIMEOUT_S = 5.0
+Address = tuple[str, int]
+
+
+class Ambiguous(TransferError):
+    """The request may or may not have reached the prefill: treat the room as registered."""
+
+
+class PrefillClient:
+    def __init__(self, me: PeerRegistration, transfer: KVTransfer) -> None:
+        self.me = me
+        self.transfer = transfer
+        self.http = httpx.Client(timeout=HTTP_TIMEOUT_S)
+        self.registered: dict[Address, str] = {}  # prefill address -> its instance id
+        self._lock = threading.Lock()
+
+    def register_room(self, addr: Address, request: RoomRequest) -> None:
+        """Tell the prefill at `addr` where to write `request.room`'s KV. Raises RoomInUse,
+        TransferError (it refused or cannot be reached: nothing will be written) or Ambiguous."""
+        for _ in range(2):
+            self._ensure_registered(addr)
+            resp = self._call("POST", addr, "/rooms", asdict(request))
+            if resp.status_code == 200:
+                return
+            if resp.status_code == 404 and _code(resp) == "unknown_peer":
+                self._forget(addr)  # it restarted: introduce ourselves again
+                continue
+            if resp.status_code == 409 and _code(resp) == "room_in_use":
+                raise RoomInUse(_message(resp))
+            raise TransferError(f"prefill {_url(addr)} refused room {request.room}: {_message(resp)}")
+        raise TransferError(f"prefill {_url(addr)} keeps forgetting this decode server")
+
+    def cancel_room(self, addr: Address, room: int) -> bool:
+        """True when the prefill promises not to write `room` (or cannot: it is gone)."""
+        try:
+            resp = self.http.delete(f"{_url(addr)}/rooms/{room}")
+        except httpx.ConnectError:
+            return True  # nobody listens there: nobody will write
+        except httpx.HTTPError as e:
+            log.info("cancel of room %d at %s: %s", room, _url(addr), e)
+            return False
+        return resp.status_code == 200
+
+    def alive(self, addr: Address) -> bool:
+        try:
+            return self.http.get(f"{_url(addr)}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _ensure_registered(self, addr: Address) -> None:
+        with self._lock:
+            if addr in self.registered:
+                return
+        route = self._call("GET", addr, "/route", None)
+        if route.status_code != 200:
+            raise TransferError(f"prefill {_url(addr)} is not ready: {_message(route)}")
+        info = route.json()
+        theirs = KVLayout(**info["layout"])
+        problem = self.transfer.layout.mismatch(theirs)
+        if problem or info.get("backend") != self.transfer.name:
+            raise TransferError(
+                f"prefill {_url(addr)} cannot send KV here: "
+                f"{problem or 'backend ' + str(info.get('backend')) + ' vs ' + self.transfer.name}"
+            )
+        resp = self._call("POST", addr, "/peers", asdict(self.me))
+        if resp.status_code != 200:
+            raise TransferError(f"prefill {_url(addr)} refused this decode server: {_message(resp)}")
+        with self._lock:
+            self.registered[addr] = str(info.get("instance_id"))
+
+    def _forget(self, addr: Address) -> None:
+        with self._lock:
+            self.registered.pop(addr, None)
+
+    def _call(self, method: str, addr: Address, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        try:
+            return self.http.request(method, f"{_url(addr)}{path}", json=body)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            self._forget(addr)
+            raise TransferError(f"prefill {_url(addr)} is unreachable: {e}") from e
+        except httpx.HTTPError as e:
+            self._forget(addr)
+            raise Ambiguous(f"prefill {_url(addr)} did not answer {method} {path}: {e}") from e
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _url(addr: Address) -> str:
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    return f"http://{host}:{addr[1]}"
+
+
+def _code(resp: httpx.Response) -> str | None:
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}"

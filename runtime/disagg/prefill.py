@@ -1,0 +1,262 @@
+"""Prefill role: the bootstrap queue and the in-flight transfer queue around the scheduler.
+
+A request (from the router) and its decode server's pages (POST /rooms, from the bootstrap
+server's threads) meet in a room, in either order:
+  Bootstrapping      one of the two is here; after --bootstrap-timeout-s alone, it fails
+  WaitingForInput    both are: the request is in the scheduler; once its last prompt chunk is
+                     launched the scheduler hands it here (`take`); its first output token shows
+                     the forward that wrote its KV has finished
+  Transferring       the sender writes the pages into the decode pool, then the aux record
+  Success / Failed   its pages are freed, the request finishes (length / abort)
+The decode server may cancel a room (DELETE /rooms): until the transfer starts that is a promise
+never to write, after it the transfer's own RoomDone/RoomFailed answers it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic
+
+from runtime.config import DisaggConfig
+from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
+from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState
+from runtime.disagg.sender import KVSender, Sent
+from runtime.disagg.transfer.base import KVTransfer
+from runtime.disagg.wire import AuxRecord, KVLayout, PeerRegistration, RoomRequest
+from runtime.kvcache.manager import KVCacheManager
+from runtime.messages import DisaggStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Room(Generic[R]):
+    room: Room
+    req: R | None = None
+    target: RoomRequest | None = None
+    peer: PeerRegistration | None = None
+    cancelled: bool = False  # the decode server cancelled: never write
+    handed_off: bool = False  # the scheduler is done with it; we own it and its KV
+    sending: Future[Sent] | None = None
+
+
+@dataclass
+class PrefillRole(Generic[R]):
+    scheduler: SchedulerPort[R]
+    kv: KVCacheManager
+    transfer: KVTransfer
+    sender: KVSender
+    config: DisaggConfig
+    wake: Callable[[], None]
+    stats: DisaggStats = field(default_factory=DisaggStats)
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        self.rooms: dict[int, _Room[R]] = {}
+        self.by_rid: dict[str, int] = {}
+        self.peers: dict[str, PeerRegistration] = {}
+        self.ready = False  # /route answers once the server can prefill
+        self.bootstrap: BootstrapServer | None = None
+        self.lock = threading.Lock()  # rooms and peers: the loop and the bootstrap threads
+        self._aborted: list[R] = []
+
+    # ---- the bootstrap server's side (its threads) ----------------------------------------
+    def route(self) -> dict[str, Any] | None:
+        if not self.ready:
+            return None
+        return {"instance_id": self.instance_id, "backend": self.transfer.name,
+                "layout": asdict(self.transfer.layout)}
+
+    def register_peer(self, peer: PeerRegistration) -> dict[str, Any]:
+        problem = self.transfer.layout.mismatch(KVLayout(**peer.layout))
+        if problem:
+            raise PeerRejected(f"KV layouts differ (this prefill vs that decode): {problem}")
+        if peer.backend != self.transfer.name:
+            raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
+                               f"the decode server expects {peer.backend!r} (--kv-transfer)")
+        self.transfer.connect(peer.decode_id, peer.backend_info)
+        with self.lock:
+            self.peers[peer.decode_id] = peer
+        log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
+                 peer.receiver_host, peer.receiver_port)
+        return self.transfer.local_info()
+
+    def offer_room(self, request: RoomRequest) -> None:
+        with self.lock:
+            peer = self.peers.get(request.decode_id)
+            if peer is None:
+                raise UnknownPeer(request.decode_id)
+            r = self.rooms.setdefault(request.room, _Room(Room(request.room)))
+            if r.target is not None:
+                raise RoomInUse(f"room {request.room} already has a decode server")
+            r.target, r.peer = request, peer
+        self.wake()
+
+    def cancel_room(self, room: int) -> bool:
+        with self.lock:
+            r = self.rooms.get(room)
+            if r is not None and r.room.state is RoomState.TRANSFERRING:
+                return False
+            if r is not None:
+                r.cancelled = True
+        self.wake()
+        return True
+
+    # ---- the scheduler loop's side -----------------------------------------------------------
+    def add(self, req: R) -> None:
+        if req.bootstrap_room is None:
+            raise RoomError("a prefill server needs bootstrap_room (send requests through "
+                            "`baton router`)")
+        self.scheduler.validate(req)
+        req.keep_first_token_only()
+        with self.lock:
+            r = self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room)))
+            if r.req is not None:
+                raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
+            r.req = req
+            self.by_rid[req.rid] = req.bootstrap_room
+
+    def take(self, req: R) -> None:
+        """The scheduler's handoff: `req`'s prompt is fully prefilled (or being)."""
+        with self.lock:
+            r = self.rooms.get(self.by_rid.get(req.rid, -1))
+            if r is not None:
+                r.handed_off = True
+
+    def poll(self) -> list[R]:
+        """Advance every room; returns the requests that finished (to emit)."""
+        touched, self._aborted = self._aborted, []
+        with self.lock:
+            rooms = list(self.rooms.values())
+        for r in rooms:
+            self._advance(r, touched)
+        self._count_rooms()
+        return touched
+
+    def _advance(self, r: _Room[R], touched: list[R]) -> None:
+        state = r.room.state
+        if r.cancelled and r.sending is None:
+            self._fail(r, "cancelled by the decode server", touched, "cancelled")
+        elif state is RoomState.BOOTSTRAPPING:
+            self._bootstrap(r, touched)
+        elif state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids:
+            self._start_transfer(r, touched)
+        elif state is RoomState.TRANSFERRING and r.sending is not None and r.sending.done():
+            self._finish_transfer(r, r.sending, touched)
+
+    def _bootstrap(self, r: _Room[R], touched: list[R]) -> None:
+        if r.req is not None and r.target is not None:
+            problem = self._target_problem(r.req, r.target)
+            if problem:
+                self._fail(r, problem, touched, "refused")
+                return
+            r.room.advance(RoomState.WAITING_FOR_INPUT)
+            self.scheduler.add_request(r.req)
+        elif r.room.waited() > self.config.bootstrap_timeout_s:
+            t = self.config.bootstrap_timeout_s
+            why = (f"no decode server asked for room {r.room.room} within {t:.0f} s"
+                   if r.req is not None else f"no request for room {r.room.room} within {t:.0f} s")
+            self._fail(r, why, touched, "bootstrap_timeout")
+
+    def _target_problem(self, req: R, target: RoomRequest) -> str | None:
+        n = len(req.origin_input_ids)
+        if target.prompt_len != n:
+            return f"room {target.room}: the decode server has a {target.prompt_len}-token prompt, this prefill {n}"
+        if len(target.dst_pages) != self.kv.allocator.pages_for(n):
+            return f"room {target.room}: {len(target.dst_pages)} destination pages for {n} tokens"
+        return None
+
+    def _start_transfer(self, r: _Room[R], touched: list[R]) -> None:
+        req, target, peer = r.req, r.target, r.peer
+        assert req is not None and target is not None and peer is not None
+        with self.lock:
+            if r.cancelled:
+                return  # the next poll fails it
+            r.room.advance(RoomState.TRANSFERRING)
+        aux = AuxRecord(
+            room=target.room, rid=req.rid, prompt_len=len(req.origin_input_ids),
+            token=req.output_ids[0],
+            logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
+            customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
+        )
+        src = req.kv_pages[: len(target.dst_pages)]
+        r.sending = self.sender.send(peer, src, target.dst_pages, aux)
+        r.sending.add_done_callback(lambda _: self.wake())
+
+    def _finish_transfer(self, r: _Room[R], sending: Future[Sent], touched: list[R]) -> None:
+        error = sending.exception()
+        if error is not None:
+            self._fail(r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error")
+            return
+        sent = sending.result()
+        self.stats.transfers += 1
+        self.stats.transfer_bytes += sent.nbytes
+        self.stats.transfer_seconds.append(sent.seconds)
+        r.room.advance(RoomState.SUCCESS)
+        assert r.req is not None
+        self.kv.release(r.req)
+        if not r.req.finished:
+            r.req.finish("length", "prefill done: KV sent to the decode server")
+            touched.append(r.req)
+        self._drop(r)
+
+    def _fail(self, r: _Room[R], reason: str, touched: list[R], kind: str) -> None:
+        """End the room: free what it holds, finish its request, tell its decode server."""
+        state = r.room.state
+        r.room.fail(reason)
+        self.stats.failed(kind)
+        req = r.req
+        if req is not None and not req.finished:
+            if state is RoomState.WAITING_FOR_INPUT and not r.handed_off:
+                self.scheduler.abort(req.rid, reason)  # frees its KV; the scheduler emits it
+            else:
+                req.finish("abort", reason)
+                touched.append(req)
+        if req is not None and (r.handed_off or r.sending is not None):
+            self.kv.release(req)
+        if r.peer is not None and r.target is not None and kind != "cancelled":
+            self.sender.fail(r.peer, r.room.room, reason)
+        log.info("room %d failed: %s", r.room.room, reason)
+        self._drop(r)
+
+    def _drop(self, r: _Room[R]) -> None:
+        with self.lock:
+            self.rooms.pop(r.room.room, None)
+            if r.req is not None:
+                self.by_rid.pop(r.req.rid, None)
+
+    def abort(self, rid: str, message: str) -> bool:
+        with self.lock:
+            room = self.by_rid.get(rid)
+            r = self.rooms.get(room) if room is not None else None
+        if r is None or r.req is None or r.req.finished:
+            return False
+        if r.sending is not None:  # let the transfer end; its completion frees the pages
+            r.req.finish("abort", message)
+            self._aborted.append(r.req)
+        else:
+            self._fail(r, message, self._aborted, "aborted")
+        self.wake()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.rooms or self._aborted)
+
+    def _count_rooms(self) -> None:
+        counts: dict[str, int] = {}
+        for r in self.rooms.values():
+            counts[r.room.state.value] = counts.get(r.room.state.value, 0) + 1
+        self.stats.rooms = counts
+
+    def close(self) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+        self.sender.close()
+        self.transfer.close()

@@ -1,0 +1,61 @@
+"""Bootstrap rooms: the states one request's KV handoff goes through, on either side.
+
+Bootstrapping -> WaitingForInput -> Transferring -> Success, or Failed from any of them; a
+terminal state never changes (Failed wins over anything that comes later, and Success is not
+undone by a late error).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RoomState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"  # waiting for the peer (prefill: decode's pages; decode: route)
+    WAITING_FOR_INPUT = "waiting_for_input"  # pages known / reserved, KV not computed yet
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RoomState.SUCCESS, RoomState.FAILED)
+
+
+class RoomError(ValueError):
+    """A request whose bootstrap fields cannot work here (missing, malformed): a 400."""
+
+    status = 400
+
+
+class RoomInUse(RoomError):
+    """A room that this server already has in flight (a client-supplied duplicate): a 409."""
+
+    status = 409
+
+
+@dataclass
+class Room:
+    room: int
+    state: RoomState = RoomState.BOOTSTRAPPING
+    since: float = field(default_factory=time.monotonic)  # when it entered `state`
+    created: float = field(default_factory=time.monotonic)
+    reason: str | None = None  # why it failed
+
+    def advance(self, state: RoomState) -> bool:
+        """Move to `state` unless already terminal; False when the move did not happen."""
+        if self.state.terminal:
+            return False
+        self.state, self.since = state, time.monotonic()
+        return True
+
+    def fail(self, reason: str) -> bool:
+        if self.advance(RoomState.FAILED):
+            self.reason = reason
+            return True
+        return False
+
+    def waited(self, now: float | None = None) -> float:
+        return (now if now is not None else time.monotonic()) - self.since

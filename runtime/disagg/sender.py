@@ -1,0 +1,111 @@
+"""The prefill server's KV sender: links to decode receivers and transfers on worker threads.
+
+One TCP link per decode server, opened on first use and reused; a transfer holds its link for
+the pages (tcp backend) and the RoomDone that follows, so a room's frames are never interleaved
+with another's. A link that fails is dropped and the next transfer reconnects (a decode that
+restarted on the same address is found again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from runtime.disagg.transfer.base import KVTransfer, TransferError
+from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomDone, RoomFailed, send_frame
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+SEND_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Sent:
+    room: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class _Link:
+    sock: socket.socket
+    lock: threading.Lock
+
+
+class KVSender:
+    def __init__(self, transfer: KVTransfer, workers: int = 2) -> None:
+        self.transfer = transfer
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-sender")
+        self.links: dict[str, _Link] = {}
+        self._lock = threading.Lock()
+
+    def send(
+        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord
+    ) -> Future[Sent]:
+        """Write the room's pages into the decode's, then its RoomDone; the future fails with
+        TransferError or OSError when the decode cannot be reached or the write fails."""
+        return self.pool.submit(self._send, peer, src_pages, dst_pages, aux)
+
+    def fail(self, peer: PeerRegistration, room: int, reason: str) -> None:
+        """Tell a decode server that a room it registered will never get KV (best effort)."""
+        self.pool.submit(self._notify, peer, RoomFailed(room, reason))
+
+    def _send(
+        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord
+    ) -> Sent:
+        began = time.monotonic()
+        link = self._link(peer)
+        try:
+            with link.lock:
+                nbytes = self.transfer.write(peer.decode_id, link.sock, aux.room, src_pages, dst_pages)
+                send_frame(link.sock, RoomDone(aux))
+        except (OSError, TransferError):
+            self._drop(peer.decode_id, link)
+            raise
+        return Sent(aux.room, nbytes, time.monotonic() - began)
+
+    def _notify(self, peer: PeerRegistration, frame: RoomFailed) -> None:
+        try:
+            link = self._link(peer)
+            with link.lock:
+                send_frame(link.sock, frame)
+        except OSError as e:
+            log.info("could not tell %s that room %d failed: %s", peer.decode_id, frame.room, e)
+
+    def _link(self, peer: PeerRegistration) -> _Link:
+        with self._lock:
+            link = self.links.get(peer.decode_id)
+        if link is not None:
+            return link
+        addr = (peer.receiver_host, peer.receiver_port)
+        try:
+            sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
+            raise TransferError(f"cannot reach decode {peer.decode_id} at {addr}: {e}") from e
+        sock.settimeout(SEND_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            link = self.links.setdefault(peer.decode_id, _Link(sock, threading.Lock()))
+        if link.sock is not sock:
+            sock.close()
+        return link
+
+    def _drop(self, decode_id: str, link: _Link) -> None:
+        with self._lock:
+            if self.links.get(decode_id) is link:
+                del self.links[decode_id]
+        link.sock.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            links, self.links = list(self.links.values()), {}
+        for link in links:
+            with contextlib.suppress(OSError):
+                link.sock.close()

@@ -1,0 +1,1 @@
+"""KV transfer backends: one file per backend behind the small interface in base.py."""

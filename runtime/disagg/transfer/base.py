@@ -1,0 +1,97 @@
+"""KVTransfer: moves whole KV pages of one server's pool into another server's pool.
+
+The prefill side writes, the decode side receives. Both register their pool once at start-up
+(DESIGN.md "KV cache layout": the buffers never move, page p always means the same slots), so a
+transfer is "these source pages, into those destination pages, of every layer, K and V".
+`create_transfer` imports a backend only when it is asked for (nixl is optional).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from runtime.disagg.wire import KVLayout, PagesFrame
+from runtime.kvcache.pool import KVPool
+
+_BACKENDS = {
+    "tcp": "runtime.disagg.transfer.tcp:TcpTransfer",
+    "nixl": "runtime.disagg.transfer.nixl:NixlTransfer",
+}
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete (the message says why)."""
+
+
+def layout_of(pool: KVPool) -> KVLayout:
+    dtype = str(pool.k[0].dtype).removeprefix("torch.")
+    return KVLayout(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, dtype)
+
+
+class KVTransfer(ABC):
+    name = ""
+
+    def __init__(self, pool: KVPool, agent_name: str) -> None:
+        self.pool = pool
+        self.agent_name = agent_name
+        self.layout = layout_of(pool)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The pool's buffers in transfer order: layer 0 K, layer 0 V, layer 1 K, ..."""
+        return [t for layer in range(self.pool.num_layers) for t in (self.pool.k[layer], self.pool.v[layer])]
+
+    def page_views(self) -> list[torch.Tensor]:
+        """Each buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""
+        return [b.view(torch.uint8).view(self.pool.num_pages, -1) for b in self.buffers()]
+
+    def local_info(self) -> dict[str, Any]:
+        """What a peer needs to reach this side's pool (sent at peer registration)."""
+        return {}
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def connect(self, peer_id: str, info: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Get ready to write into peer `peer_id`'s pool (its `local_info()`)."""
+
+    def forget(self, peer_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop what `connect` set up (the peer is gone or re-registered)."""
+
+    @abstractmethod
+    def write(
+        self, peer_id: str, link: socket.socket, room: int, src_pages: list[int], dst_pages: list[int]
+    ) -> int:
+        """Copy src_pages of every buffer into the peer's dst_pages; block until they landed.
+        `link` is the ordered prefill->decode link (used by backends that stream over it).
+        Returns the bytes moved; raises TransferError or OSError."""
+
+    # ---- decode side ----------------------------------------------------------------------
+    def read_pages(self, frame: PagesFrame, link: socket.socket) -> None:
+        """A PagesFrame arrived on a link: put its payload into the pool (tcp backend only)."""
+        raise TransferError(f"{self.name} backend got a PagesFrame; peers disagree on the backend")
+
+    @abstractmethod
+    def landed(self, room: int) -> bool:
+        """True once every page of `room` is in place by this backend's own signal."""
+
+    def discard(self, room: int) -> None:  # noqa: B027 - optional hook
+        """Forget what is known about `room` (it ended)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def create_transfer(name: str, pool: KVPool, agent_name: str) -> KVTransfer:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(_BACKENDS)}")
+    module, _, cls = _BACKENDS[name].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise TransferError(f"KV transfer {name!r} is not available here ({e}); "
+                            "use --kv-transfer tcp") from e
+    backend: KVTransfer = getattr(mod, cls)(pool, agent_name)
+    return backend

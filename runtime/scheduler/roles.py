@@ -1,0 +1,114 @@
+"""A server's role around its Scheduler: colocated, prefill or decode (DESIGN.md "Disaggregation").
+
+Every role composes the same Scheduler and ModelRunner; what differs is where requests wait
+before and after it, which lives in small classes (runtime/disagg/prefill.py, decode.py). The
+scheduler process talks to any of them through `Role`: add, abort, poll (advance the queues,
+return the requests whose outputs are due), has_work, close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Protocol
+
+from runtime.config import ServerArgs
+from runtime.kvcache.pool import KVPool
+from runtime.messages import DisaggStats
+from runtime.scheduler.req import Req
+from runtime.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("baton.scheduler")
+
+
+class Role(Protocol):
+    @property
+    def stats(self) -> DisaggStats | None:
+        """KV transfer counters (prefill and decode roles)."""
+
+    def add(self, req: Req) -> None:
+        """Take a new request; raises InvalidRequest or RoomError (both reach the client)."""
+
+    def abort(self, rid: str, message: str) -> bool: ...
+
+    def poll(self) -> list[Req]: ...
+
+    def has_work(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class ColocatedRole:
+    """Prefill and decode in one server: requests go straight to the scheduler."""
+
+    stats: DisaggStats | None = None
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def add(self, req: Req) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str, message: str) -> bool:
+        return self.scheduler.abort(rid, message)
+
+    def poll(self) -> list[Req]:
+        return []
+
+    def has_work(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def advertise_host(args: ServerArgs) -> str:
+    """The address peers use to reach this server's KV endpoint."""
+    if args.disagg.advertise_host:
+        return args.disagg.advertise_host
+    if os.environ.get("POD_IP"):
+        return os.environ["POD_IP"]
+    if args.host not in ("0.0.0.0", "::", ""):
+        return args.host
+    return socket.gethostbyname(socket.gethostname())
+
+
+def build_role(
+    args: ServerArgs, scheduler: Scheduler, pool: KVPool, vocab_size: int, wake: Callable[[], None]
+) -> Role:
+    """The role for `args.role`, its KV transport started (bootstrap server or receiver)."""
+    if args.role == "colocated":
+        return ColocatedRole(scheduler)
+    from runtime.disagg.transfer.base import create_transfer
+
+    name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"
+    transfer = create_transfer(args.disagg.kv_transfer, pool, name)
+    if args.role == "prefill":
+        from runtime.disagg.bootstrap import BootstrapServer
+        from runtime.disagg.prefill import PrefillRole
+        from runtime.disagg.sender import KVSender
+
+        prefill: PrefillRole[Req] = PrefillRole(
+            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake)
+        scheduler.handoff = prefill
+        prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill)
+        prefill.ready = True
+        return prefill
+    from runtime.disagg.decode import DecodeRole
+    from runtime.disagg.peers import PrefillClient
+    from runtime.disagg.receiver import KVReceiver
+    from runtime.disagg.wire import PeerRegistration
+
+    receiver = KVReceiver(args.host, transfer, wake)
+    me = PeerRegistration(name, advertise_host(args), receiver.port, asdict(transfer.layout),
+                          transfer.name, transfer.local_info())
+    log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
+             transfer.name)
+    decode: DecodeRole[Req] = DecodeRole(
+        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer), receiver, args.disagg,
+        wake, vocab_size)
+    return decode
