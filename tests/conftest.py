@@ -1,14 +1,19 @@
-"""Shared fixtures: the real builtin model, prepared once and cached."""
+"""Shared fixtures: the real builtin model, prepared once and cached, and one colocated
+`baton serve` process for the whole session (server, disagg and router tests use it)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.server.server_process import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +22,26 @@ def model_path() -> Path:
     from runtime.models.prepare import resolve_model_path
 
     return resolve_model_path("builtin:smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The default server (torch sampler), used by the OpenAI, concurrency, error and fuzz tests,
+    and as the colocated reference of the disaggregated ones."""
+    srv = start_server("--served-model-name", "smollm2",
+                       log_path=tmp_path_factory.mktemp("srv") / "server.log")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
+    from runtime.engine.engine import load_tokenizer
+
+    return load_tokenizer(model_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,17 +27,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, so no server outlives a killed run."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
-    def __init__(self, *extra_args: str, log_path: Path) -> None:
-        self.port = free_port()
+    """`baton serve` in its own process group (`kill()` takes the scheduler child too)."""
+
+    def __init__(
+        self, *extra_args: str, log_path: Path, model: str = MODEL, port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
-        cmd = [str(BATON), "serve", "--model", MODEL, "--host", "127.0.0.1",
+                   TOKENIZERS_PARALLELISM="false", **(env or {}))
+        cmd = [str(BATON), "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--max-total-tokens", "4096", *extra_args]
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -52,6 +67,13 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (HTTP and scheduler processes) at once."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -71,7 +93,7 @@ class ServerProcess:
         return code
 
 
-def start_server(*extra_args: str, log_path: Path) -> ServerProcess:
-    server = ServerProcess(*extra_args, log_path=log_path)
+def start_server(*extra_args: str, log_path: Path, **kwargs: Any) -> ServerProcess:
+    server = ServerProcess(*extra_args, log_path=log_path, **kwargs)
     server.wait_ready()
     return server

@@ -1,0 +1,115 @@
+"""A prefill + decode pair of real `baton serve` processes, and a client that plays the router
+(same body to both sides with the bootstrap fields; the decode side's answer is the result)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server.server_process import ServerProcess, free_port
+
+
+@dataclass
+class Pair:
+    prefill: ServerProcess
+    decode: ServerProcess
+    bootstrap_port: int
+
+    def stop(self) -> None:
+        for srv in (self.prefill, self.decode):
+            if srv.proc.poll() is None:
+                srv.stop()
+
+    def fields(self, room: int | None = None, rid: str | None = None) -> dict[str, Any]:
+        return {"rid": rid or secrets.token_hex(8), "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": secrets.randbits(63) if room is None else room}
+
+
+def start_pair(
+    log_dir: Path, transfer: str, *extra: str, model: str | None = None,
+    prefill_extra: tuple[str, ...] = (), decode_extra: tuple[str, ...] = (),
+) -> Pair:
+    """Both servers load at once; returns when both are ready."""
+    bport = free_port()
+    kw: dict[str, Any] = {"model": model} if model else {}
+    prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(bport), "--kv-transfer",
+                            transfer, *extra, *prefill_extra, log_path=log_dir / "prefill.log", **kw)
+    decode = ServerProcess("--role", "decode", "--kv-transfer", transfer, *extra, *decode_extra,
+                           log_path=log_dir / "decode.log", **kw)
+    pair = Pair(prefill, decode, bport)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+    except BaseException:
+        pair.stop()
+        raise
+    return pair
+
+
+def restart_prefill(pair: Pair, log_dir: Path, transfer: str, *extra: str, model: str | None = None) -> None:
+    """A new prefill process on the same HTTP and bootstrap ports (the old one is gone)."""
+    kw: dict[str, Any] = {"model": model} if model else {}
+    pair.prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(pair.bootstrap_port),
+                                 "--kv-transfer", transfer, *extra, port=pair.prefill.port,
+                                 log_path=log_dir / "prefill2.log", **kw)
+    pair.prefill.wait_ready()
+
+
+async def read_stream(resp: httpx.Response) -> list[dict[str, Any]]:
+    events = []
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+async def pd_call(
+    http: httpx.AsyncClient, pair: Pair, path: str, body: dict[str, Any]
+) -> tuple[httpx.Response, Any]:
+    """Send `body` to both sides at once; returns (prefill's response, decode's result): the JSON
+    body, or for a stream the list of its events."""
+
+    async def decode_side() -> Any:
+        if not body.get("stream"):
+            resp = await http.post(f"{pair.decode.url}{path}", json=body)
+            return resp.json() if resp.status_code == 200 else resp
+        async with http.stream("POST", f"{pair.decode.url}{path}", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return resp
+            return await read_stream(resp)
+
+    p_body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    prefill, decoded = await asyncio.gather(
+        http.post(f"{pair.prefill.url}{path}", json=p_body), decode_side())
+    return prefill, decoded
+
+
+def stream_ids(events: list[dict[str, Any]]) -> list[int]:
+    return [t for e in events for t in e.get("output_ids", [])]
+
+
+def tiny_model(model_path: Path, dest: Path) -> Path:
+    """A 2-layer random Llama with the real tokenizer: loads in a second; failure tests use it."""
+    import torch
+    import transformers
+
+    cfg = json.loads((model_path / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16)
+    cfg.pop("rope_parameters", None)
+    config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_path / name).exists():
+            shutil.copy(model_path / name, dest / name)
+    return dest

@@ -1,0 +1,88 @@
+"""Disaggregated greedy output equals colocated `baton serve` and HF transformers, token for token
+(near-tie rule), for 8 prompts sent at once, streamed and not, over tcp and nixl."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.disagg.pd import Pair, pd_call, start_pair, stream_ids
+from tests.engine.hf_reference import Reference, compare, hf_greedy
+from tests.server.server_process import ServerProcess
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hello, my name is",
+    "Once upon a time, in a land far away, there lived a",
+    "List three colors:",
+    "Water boils at a temperature of",
+    "Explain why the sky is blue. " * 6,
+    "In 1492, Columbus sailed across the ocean. " * 12,
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = start_pair(tmp_path_factory.mktemp(f"pd-{request.param}"), request.param)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer: Any) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(model_path: Path, prompt_ids: list[list[int]]) -> list[Reference]:
+    return hf_greedy(model_path, prompt_ids, MAX_NEW)
+
+
+def body(ids: list[int], pair: Pair, stream: bool) -> dict[str, Any]:
+    return {"input_ids": ids, "stream": stream, **pair.fields(),
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}}
+
+
+async def run_pd(pair: Pair, prompt_ids: list[list[int]]) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=120) as http:
+        calls = [pd_call(http, pair, "/generate", body(ids, pair, stream=i % 2 == 1))
+                 for i, ids in enumerate(prompt_ids)]
+        results = await asyncio.gather(*calls)
+    outs = []
+    for prefill, decoded in results:
+        assert prefill.status_code == 200, prefill.text
+        assert prefill.json()["output_ids"] == (decoded[0]["output_ids"][:1] if isinstance(decoded, list)
+                                                else decoded["output_ids"][:1])
+        outs.append(stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"])
+    return outs
+
+
+def test_pd_greedy_equals_colocated_and_hf(
+    pair: Pair, server: ServerProcess, prompt_ids: list[list[int]], hf_refs: list[Reference]
+) -> None:
+    pd = asyncio.run(run_pd(pair, prompt_ids))
+    with httpx.Client(timeout=120) as http:
+        colocated = [
+            http.post(f"{server.url}/generate", json={
+                "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}
+            }).json()["output_ids"]
+            for ids in prompt_ids
+        ]
+    notes = []
+    for i, (ours, co, ref) in enumerate(zip(pd, colocated, hf_refs, strict=True)):
+        assert ours == co, f"prompt {i}: PD {ours} != colocated {co}"
+        note = compare(ours, ref)
+        if note:
+            notes.append(f"prompt {i}: {note}")
+    for note in notes:
+        print(note)  # reported, not hidden (near-ties only; anything else raised)
+    for srv in (pair.prefill, pair.decode):
+        stats = httpx.get(f"{srv.url}/debug/stats").json()
+        assert stats["kv_all_free"], f"{srv.url} holds KV after all requests finished: {stats}"
