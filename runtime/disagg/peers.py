@@ -79,12 +79,13 @@ class PrefillClient:
             raise TransferError(f"prefill {_url(addr)} is not ready: {_message(route)}")
         info = route.json()
         theirs = KVLayout(**info["layout"])
-        problem = self.transfer.layout.mismatch(theirs)
-        if problem or info.get("backend") != self.transfer.name:
-            raise TransferError(
-                f"prefill {_url(addr)} cannot send KV here: "
-                f"{problem or 'backend ' + str(info.get('backend')) + ' vs ' + self.transfer.name}"
-            )
+        problem = theirs.mismatch(self.transfer.layout)
+        if problem:
+            raise TransferError(f"prefill {_url(addr)} cannot send KV here: KV layouts differ "
+                                f"(that prefill vs this decode): {problem}")
+        if info.get("backend") != self.transfer.name:
+            raise TransferError(f"prefill {_url(addr)} sends KV with {info.get('backend')!r}, "
+                                f"this decode server expects {self.transfer.name!r} (--kv-transfer)")
         resp = self._call("POST", addr, "/peers", asdict(self.me))
         if resp.status_code != 200:
             raise TransferError(f"prefill {_url(addr)} refused this decode server: {_message(resp)}")

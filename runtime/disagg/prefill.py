@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -63,6 +64,9 @@ class PrefillRole(Generic[R]):
         self.peers: dict[str, PeerRegistration] = {}
         self.ready = False  # /route answers once the server can prefill
         self.bootstrap: BootstrapServer | None = None
+        # rooms a decode server cancelled before their request came: room -> when (a late
+        # request fails at once instead of waiting out the bootstrap timeout)
+        self.cancelled: dict[int, float] = {}
         self.lock = threading.Lock()  # rooms and peers: the loop and the bootstrap threads
         self._aborted: list[R] = []
 
@@ -120,6 +124,7 @@ class PrefillRole(Generic[R]):
             if r.req is not None:
                 raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
             r.req = req
+            r.cancelled = r.cancelled or self.cancelled.pop(req.bootstrap_room, None) is not None
             self.by_rid[req.rid] = req.bootstrap_room
 
     def take(self, req: R) -> None:
@@ -134,6 +139,8 @@ class PrefillRole(Generic[R]):
         touched, self._aborted = self._aborted, []
         with self.lock:
             rooms = list(self.rooms.values())
+            horizon = time.monotonic() - self.config.bootstrap_timeout_s
+            self.cancelled = {k: t for k, t in self.cancelled.items() if t > horizon}
         for r in rooms:
             self._advance(r, touched)
         self._count_rooms()
@@ -223,6 +230,9 @@ class PrefillRole(Generic[R]):
             self.kv.release(req)
         if r.peer is not None and r.target is not None and kind != "cancelled":
             self.sender.fail(r.peer, r.room.room, reason)
+        if kind == "cancelled" and req is None:
+            with self.lock:
+                self.cancelled[r.room.room] = time.monotonic()
         log.info("room %d failed: %s", r.room.room, reason)
         self._drop(r)
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.server.generation import KVTransferFailed
 from runtime.server.tokenizer_manager import SchedulerUnavailable
 
 log = logging.getLogger("baton.server")
@@ -73,6 +74,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, InvalidRequest)
         return _counted(request, ApiError(exc.status, str(exc), code=exc.code, param=exc.field))
 
+    async def on_transfer_failed(request: Request, exc: Exception) -> JSONResponse:
+        return _counted(request, ApiError(502, str(exc), "kv_transfer_error", "kv_transfer_failed"))
+
     async def on_unavailable(_: Request, exc: Exception) -> JSONResponse:
         return error_response(ApiError(503, str(exc), "service_unavailable", "unavailable"))
 
@@ -88,6 +92,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(InvalidRequest, on_invalid)
+    app.add_exception_handler(KVTransferFailed, on_transfer_failed)
     app.add_exception_handler(SchedulerUnavailable, on_unavailable)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_crash)

@@ -20,6 +20,10 @@ from runtime.server.tokenizer_manager import ReqState, RequestTimeout, Tokenizer
 ABORT_ACK_TIMEOUT_S = 10.0
 
 
+class KVTransferFailed(RuntimeError):
+    """A prefill/decode request whose KV handoff failed (the message says why): a 502."""
+
+
 @dataclass
 class Delta:
     index: int  # the choice this belongs to
@@ -121,11 +125,27 @@ async def gather_or_cancel(coros: list[Any]) -> list[Any]:
                 task.cancel()
 
 
+def failed_handoff(role: str, deltas: list[Delta]) -> str | None:
+    """The abort message of a disaggregated request whose KV handoff failed, which makes an
+    error response rather than a 200: on a prefill server any abort (its one token is useless
+    without the KV), on a decode server an abort before its first token (the KV never came).
+    None otherwise, and always on a colocated server."""
+    if role == "colocated":
+        return None
+    for d in deltas:
+        reason = d.finish_reason
+        aborted = reason is not None and reason.get("type") == "abort"
+        if aborted and (role == "prefill" or not d.output_ids):
+            return str(reason.get("message") or "aborted")  # type: ignore[union-attr]
+    return None
+
+
 async def start(
     tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float
 ) -> tuple[list[Generation], list[Delta]]:
     """Submit every request and wait for each one's first delta, so that a refusal (an
-    InvalidRequest from the scheduler) still becomes a 4xx before any response starts."""
+    InvalidRequest from the scheduler) still becomes a 4xx before any response starts, and a
+    disaggregated request whose KV handoff failed becomes a 502 (KVTransferFailed)."""
     gens: list[Generation] = []
     try:
         for i, req in enumerate(reqs):
@@ -135,6 +155,11 @@ async def start(
         for gen in gens:
             gen.abort("request failed")
         raise
+    failure = failed_handoff(tm.args.role, firsts)
+    if failure is not None:
+        for gen in gens:
+            gen.abort("another choice failed")
+        raise KVTransferFailed(failure)
     return gens, firsts
 
 

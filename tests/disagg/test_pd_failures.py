@@ -1,0 +1,155 @@
+"""PD failure handling with real processes (tiny random Llama, timeouts shortened by flags):
+every failure ends the request with a clear error and frees its KV on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.disagg.pd import Pair, pd_call, restart_prefill, start_pair
+
+FAST = ("--bootstrap-timeout-s", "3", "--waiting-timeout-s", "6", "--heartbeat-interval-s", "0.5",
+        "--heartbeat-misses", "2")
+
+
+@pytest.fixture
+def pair(tiny_path: Path, tmp_path: Path) -> Iterator[Pair]:
+    p = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path))
+    yield p
+    p.stop()
+
+
+def gen_body(pair: Pair, room: int | None = None, max_new: int = 8, **kw: Any) -> dict[str, Any]:
+    return {"text": "Hello there, how are", "sampling_params": {"temperature": 0,
+            "max_new_tokens": max_new, "ignore_eos": True}, **pair.fields(room), **kw}
+
+
+def kv_free(url: str) -> bool:
+    return bool(httpx.get(f"{url}/debug/stats").json()["kv_all_free"])
+
+
+def eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(pair: Pair) -> None:
+    prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+    assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8
+    for srv in (pair.prefill, pair.decode):
+        r = httpx.post(f"{srv.url}/generate", json={"text": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room", r.text
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "x", "prompt": "hi"})
+        assert r.status_code in (400, 404)
+    body = gen_body(pair)
+
+    async def dup() -> tuple[httpx.Response, httpx.Response, Any]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            # a decode request waits in its room; a second one with the same room is refused
+            waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
+            await asyncio.sleep(0.5)
+            again = await http.post(f"{pair.decode.url}/generate", json={**body, "rid": "other"})
+            p_first = await http.post(f"{pair.prefill.url}/generate", json=body)
+            return again, p_first, await waiting
+    again, p_first, done = asyncio.run(dup())
+    assert again.status_code == 409 and again.json()["error"]["code"] == "room_in_use", again.text
+    assert p_first.status_code == 200 and done.status_code == 200
+    prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+    assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8  # still serving
+    eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
+
+
+async def _one(pair: Pair, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await pd_call(http, pair, "/generate", body)
+
+
+def test_decode_that_never_shows_up_frees_the_room(pair: Pair) -> None:
+    began = time.monotonic()
+    r = httpx.post(f"{pair.prefill.url}/generate", json=gen_body(pair), timeout=30)
+    assert r.status_code == 502, r.text
+    assert "no decode server asked for room" in r.json()["error"]["message"]
+    assert 2.5 < time.monotonic() - began < 10
+    assert kv_free(pair.prefill.url)
+
+
+def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
+    pair: Pair, tiny_path: Path, tmp_path: Path
+) -> None:
+    async def waiting_then_kill() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            calls = [asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=gen_body(pair)))
+                     for _ in range(4)]
+            await asyncio.sleep(1.0)  # registered with the prefill, waiting for KV
+            assert not kv_free(pair.decode.url)
+            pair.prefill.kill()
+            return list(await asyncio.gather(*calls))
+
+    began = time.monotonic()
+    results = asyncio.run(waiting_then_kill())
+    for r in results:
+        assert r.status_code == 502, r.text
+        assert "stopped answering" in r.json()["error"]["message"]
+    assert time.monotonic() - began < 6, "heartbeats should notice within ~1 s"
+    eventually(lambda: kv_free(pair.decode.url))
+    restart_prefill(pair, tmp_path, "tcp", *FAST, model=str(tiny_path))
+    prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+    assert prefill.status_code == 200, prefill.text
+    assert len(decoded["output_ids"]) == 8
+
+
+def test_decode_killed_prefill_frees_its_pages(pair: Pair) -> None:
+    body = gen_body(pair)
+
+    async def register_then_kill() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as http:
+            orphan = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
+            await asyncio.sleep(1.0)  # the room is registered at the prefill
+            pair.decode.kill()
+            with pytest.raises(httpx.RemoteProtocolError):
+                await orphan
+            return await http.post(f"{pair.prefill.url}/generate", json=body)
+
+    r = asyncio.run(register_then_kill())
+    assert r.status_code == 502, r.text
+    assert "KV transfer to the decode server failed" in r.json()["error"]["message"]
+    eventually(lambda: kv_free(pair.prefill.url))
+
+
+def test_client_abort_on_decode_cancels_the_room_everywhere(pair: Pair) -> None:
+    body = gen_body(pair)
+
+    async def abort_waiting() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
+            await asyncio.sleep(1.0)
+            ack = await http.post(f"{pair.decode.url}/abort", json={"rid": body["rid"]})
+            assert ack.json()["aborted"] is True
+            late = await http.post(f"{pair.prefill.url}/generate", json=body)
+            return await waiting, late
+
+    aborted, late = asyncio.run(abort_waiting())
+    assert aborted.status_code == 502 and "/abort" in aborted.json()["error"]["message"]
+    assert late.status_code == 502 and "cancelled" in late.json()["error"]["message"]
+    eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
+
+
+def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path), decode_extra=("--page-size", "8"))
+    try:
+        prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+        assert decoded.status_code == 502
+        message = decoded.json()["error"]["message"]
+        assert "cannot send KV here" in message and "page_size 16 vs 8" in message, message
+        assert prefill.status_code == 502  # its room never got a decode server
+        eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
+    finally:
+        pair.stop()
