@@ -22,6 +22,7 @@ import zmq
 
 from runtime.codec import decode, encode
 from runtime.config import ServerArgs
+from runtime.lifecycle import die_with_parent
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
@@ -264,9 +265,11 @@ class SchedulerLoop:
 def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None:
     """Process entry (spawn). Exits 0 after a ShutdownRequest or when the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent decides
+    die_with_parent(signal.SIGKILL)  # a killed HTTP process leaves nobody to serve: go at once
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # decode -> prefill calls, per room
     for module in args.plugin:
         importlib.import_module(module)
     ctx = zmq.Context()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
@@ -14,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from runtime.lifecycle import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 BATON = Path(sys.executable).parent / "baton"
@@ -29,8 +29,7 @@ def free_port() -> int:
 
 def _die_with_parent() -> None:
     """In the child: SIGKILL when the test process dies, so no server outlives a killed run."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGKILL)
 
 
 class ServerProcess:

@@ -1,0 +1,239 @@
+"""`baton up`: a local disaggregated deployment — router + prefill and decode pools as processes.
+
+    baton up [--model M] [--prefill N] [--decode M] [--port 8000] [--kv-transfer nixl|tcp]
+             [--host 127.0.0.1] [--log-dir DIR] [-- extra `baton serve` flags]
+
+Every worker runs `baton serve --role prefill|decode` on a free port (prefill also on a free
+bootstrap port), the router `baton router` on --port. It waits for every `/ready` and shows
+progress, prints the URL and a curl example, and on Ctrl-C / SIGTERM stops every child (each
+child also dies with this process if it is killed: parent-death signal). Logs go to --log-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+import httpx
+
+from runtime.lifecycle import die_with_parent
+
+READY_TIMEOUT_S = 900.0
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+    ready_after: float | None = None
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton up", description=__doc__.split("\n\n")[0],
+                                epilog="flags after `--` go to every `baton serve`")
+    p.add_argument("--model", default="builtin:smollm2-135m", help="HF folder or builtin:NAME")
+    p.add_argument("--prefill", type=int, default=1, help="prefill servers (default: 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode servers (default: 1)")
+    p.add_argument("--host", default="127.0.0.1", help="where everything listens")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
+    p.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl")
+    p.add_argument("--policy", choices=["round_robin", "least_load", "prefix"], default="round_robin")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="one log file per process (default: a new folder under the temp dir)")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        parser.error("--prefill and --decode must be >= 1")
+    if not 0 < args.port < 65536:
+        parser.error("--port must be in 1..65535")
+    return args, extra
+
+
+def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Child]:
+    """The worker and router commands, ports chosen; the router comes last."""
+    baton = [sys.executable, "-m", "runtime.cli"]
+    threads = max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
+    common = ["--model", args.model, "--host", args.host, "--kv-transfer", args.kv_transfer,
+              "--num-threads", str(threads), *extra]
+    children = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            port = free_port(args.host)
+            cmd = [*baton, "serve", "--role", role, "--port", str(port), *common]
+            child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log")
+            if role == "prefill":
+                child.extra["bootstrap_port"] = free_port(args.host)
+                child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
+            children.append(child)
+    router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    for c in children:
+        flag = "--prefill" if c.name.startswith("prefill") else "--decode"
+        value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url
+        router += [flag, value]
+    children.append(Child("router", router, f"http://{args.host}:{args.port}", log_dir / "router.log"))
+    return children
+
+
+class Deployment:
+    """The children, started together and stopped together."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self.stopping = False
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        for child in self.children:
+            child.start(env)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Poll every /ready; print each child as it gets ready. Raises if one exits or time
+        runs out (the caller stops the rest)."""
+        began = time.monotonic()
+        with httpx.Client(timeout=2) as http:
+            while not all(c.ready_after is not None for c in self.children):
+                if self.stopping:
+                    raise KeyboardInterrupt
+                for child in self.children:
+                    self._check(http, child, time.monotonic() - began)
+                if time.monotonic() - began > timeout:
+                    late = [c.name for c in self.children if c.ready_after is None]
+                    raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(late)}")
+                time.sleep(0.5)
+
+    def _check(self, http: httpx.Client, child: Child, waited: float) -> None:
+        if child.ready_after is not None:
+            return
+        code = child.exited()
+        if code is not None:
+            raise RuntimeError(f"{child.name} exited with code {code}; its log "
+                               f"({child.log_path}) ends:\n{child.tail()}")
+        try:
+            ready = http.get(f"{child.url}/ready").status_code == 200
+        except httpx.HTTPError:
+            ready = False
+        if ready:
+            child.ready_after = waited
+            done = sum(c.ready_after is not None for c in self.children)
+            print(f"  [{done}/{len(self.children)}] {child.name} ready at {child.url} "
+                  f"({waited:.1f} s)", flush=True)
+
+    def watch(self) -> int:
+        """Serve until a signal or until a child dies; returns the exit code."""
+        while not self.stopping:
+            for child in self.children:
+                code = child.exited()
+                if code is not None:
+                    print(f"baton up: {child.name} exited with code {code}; stopping. Its log "
+                          f"ends:\n{child.tail()}", file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM every child's process group (router first), then SIGKILL what is left."""
+        for child in reversed(self.children):
+            _signal(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(child, signal.SIGKILL)
+                child.proc.wait(5)
+            if child.log is not None:
+                child.log.close()
+
+
+def _signal(child: Child, sig: int) -> None:
+    if child.proc is not None and child.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, sig)
+
+
+def banner(url: str, model: str, log_dir: Path) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return (f"\nbaton is up: {url}  (OpenAI API under /v1; logs in {log_dir})\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{body}'\n"
+            "Ctrl-C stops everything.\n")
+
+
+def main(argv: list[str]) -> int:
+    args, extra = parse(argv)
+    log_dir = args.log_dir or Path(_mkdtemp())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deployment = Deployment(plan(args, extra, log_dir))
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        deployment.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"baton up: {args.prefill} prefill + {args.decode} decode + router, model "
+          f"{args.model}, KV transfer {args.kv_transfer}; logs in {log_dir}", flush=True)
+    try:
+        deployment.start()
+        deployment.wait_ready()
+        print(banner(deployment.children[-1].url, args.model, log_dir), flush=True)
+        return deployment.watch()
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"baton up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("baton up: stopping", flush=True)
+        deployment.stop()
+
+
+def _mkdtemp() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="baton-up-")
