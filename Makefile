@@ -21,8 +21,9 @@ install: $(STAMP)
 model: install
 	$(BATON) model prepare $(MODEL)
 
+# router + 1 prefill + 1 decode on http://127.0.0.1:8000 (Ctrl-C stops all)
 run: model
-	$(BATON) serve --model builtin:$(MODEL)
+	$(BATON) up --model builtin:$(MODEL)
 
 lint: install
 	$(VENV)/bin/ruff check .

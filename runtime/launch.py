@@ -95,9 +95,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Child]:
     """The worker and router commands, ports chosen; the router comes last."""
     baton = [sys.executable, "-m", "runtime.cli"]
-    threads = max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
-    common = ["--model", args.model, "--host", args.host, "--kv-transfer", args.kv_transfer,
-              "--num-threads", str(threads), *extra]
+    common = ["--model", args.model, "--host", args.host, "--kv-transfer", args.kv_transfer, *extra]
     children = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):

@@ -1,0 +1,166 @@
+"""Prefill/decode disaggregation: KV transfer bandwidth, and PD serving against colocated.
+
+    python bench/pd.py [--tokens 256 1024 4096] [--concurrency 1 16 64] [--skip-serving]
+
+1. Transfer: two processes on loopback, each with a KV pool of the builtin model's layout
+   (30 layers, 3 KV heads x 64, float32, pages of 16 tokens). The sender writes one prompt's
+   pages (K and V of every layer, scattered pages) into the receiver's pool through baton's own
+   KVTransfer backends (nixl, tcp) and the RoomDone frame, and times until the receiver process
+   reports the room landed. Peer in the same run: a single-thread memcpy of the same bytes.
+2. Serving: `baton serve` (colocated) and `baton up` (router + 1 prefill + 1 decode) on the
+   builtin model, the same streaming workload at each concurrency (bench/serving.py): TTFT
+   p50/p99, ITL, throughput, side by side with ratios; PD's mean KV transfer time is read from
+   the prefill's /metrics.
+Writes bench/results/pd.json and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYOUT = {"num_layers": 30, "page_size": 16, "num_kv_heads": 3, "head_dim": 64}
+POOL_TOKENS = 8192
+
+
+def make_pool() -> Any:
+    import torch
+
+    from runtime.kvcache.pool import KVPool
+
+    pool = KVPool(LAYOUT["num_layers"], POOL_TOKENS // LAYOUT["page_size"], LAYOUT["page_size"],
+                  LAYOUT["num_kv_heads"], LAYOUT["head_dim"], torch.float32)
+    for t in pool.k + pool.v:
+        t.normal_()
+    return pool
+
+
+def receiver_main(backend: str, conn: Connection) -> None:
+    """The decode side: pool, transfer, receiver; reports each landed room over `conn`."""
+    from runtime.disagg.receiver import KVReceiver
+    from runtime.disagg.transfer.base import create_transfer
+    from runtime.disagg.wire import RoomDone
+
+    pool = make_pool()
+    transfer = create_transfer(backend, pool, "bench-decode")
+    receiver = KVReceiver("127.0.0.1", transfer, lambda: None)
+    conn.send((transfer.local_info(), receiver.port))
+    while True:
+        frame = receiver.frames.get()
+        if isinstance(frame, RoomDone):
+            while not transfer.landed(frame.aux.room):
+                time.sleep(0.0001)
+            conn.send(frame.aux.room)
+
+
+def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str, Any]]:
+    from runtime.disagg.transfer.base import create_transfer
+    from runtime.disagg.wire import AuxRecord, RoomDone, send_frame
+
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, child), daemon=True)
+    proc.start()
+    try:
+        info, port = parent.recv()
+        pool = make_pool()
+        transfer = create_transfer(backend, pool, "bench-prefill")
+        transfer.connect("decode", info)
+        link = socket.create_connection(("127.0.0.1", port))
+        link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rows, rng, room = [], random.Random(0), 0
+        for n in tokens:
+            pages = n // LAYOUT["page_size"]
+            times = []
+            for _ in range(reps):
+                room += 1
+                src = rng.sample(range(pool.num_pages), pages)
+                dst = rng.sample(range(pool.num_pages), pages)
+                began = time.perf_counter()
+                nbytes = transfer.write("decode", link, room, src, dst)
+                send_frame(link, RoomDone(AuxRecord(room, "bench", n, 0)))
+                assert parent.recv() == room
+                times.append(time.perf_counter() - began)
+            t = statistics.median(times)
+            rows.append({"backend": backend, "tokens": n, "bytes": nbytes, "median_s": t,
+                         "gb_s": nbytes / t / 1e9})
+        transfer.close()
+        link.close()
+        return rows
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+def memcpy_bench(nbytes: int, reps: int) -> float:
+    """Single-thread memcpy GB/s of `nbytes` (fresh destination pages each time)."""
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - began)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run_transfers(tokens: list[int], reps: int) -> dict[str, Any]:
+    rows = []
+    for backend in ("nixl", "tcp"):
+        try:
+            rows += transfer_bench(backend, tokens, reps)
+        except Exception as e:  # e.g. nixl missing on this host: say so, measure the rest
+            print(f"{backend}: not measured ({e})", file=sys.stderr)
+    memcpy = {str(r["tokens"]): memcpy_bench(r["bytes"], reps) for r in rows if r["backend"] == "tcp"}
+    for r in rows:
+        r["memcpy_gb_s"] = memcpy.get(str(r["tokens"]))
+        r["vs_memcpy"] = r["gb_s"] / r["memcpy_gb_s"] if r["memcpy_gb_s"] else None
+    print(f"\nKV transfer, {LAYOUT}, float32, median of {reps}")
+    print(f"{'backend':>8} {'tokens':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['backend']:>8} {r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} {r['median_s'] * 1e3:>8.2f} "
+              f"{r['gb_s']:>7.2f} {r['memcpy_gb_s'] or float('nan'):>12.2f} {r['vs_memcpy'] or 0:>6.2f}")
+    return {"rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default="builtin:smollm2-135m")
+    ap.add_argument("--kv-transfer", default="nixl", choices=["nixl", "tcp"])
+    ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pd.json"))
+    args = ap.parse_args()
+    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
+    report["transfer"] = run_transfers(args.tokens, args.reps)
+    if not args.skip_serving:
+        from pd_serving import run_serving
+
+        report["serving"] = run_serving(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
