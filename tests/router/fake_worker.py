@@ -65,12 +65,20 @@ class FakeWorker:
         for _ in range(n):
             self._gate.release()
 
-    def generation(self, rid: str | None = None) -> Received:
-        """The last generation request received (with that rid)."""
-        for r in reversed(self.received):
-            if r.path != "/abort" and (rid is None or r.body.get("rid") == rid):
-                return r
-        raise AssertionError(f"{self.role} {self.url} received no request {rid or ''}")
+    def generation(self, rid: str | None = None, wait_s: float = 2.0) -> Received:
+        """The last generation request received (with that rid). Waits a little for it: the
+        router answers with D's response, which a stand-in D may send before P got its copy."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r in reversed(self.received):
+                if rid is None or r.body.get("rid") == rid:
+                    return r
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.role} {self.url} received no request {rid or ''}")
+            time.sleep(0.01)
+
+    def got(self, rid: str) -> bool:
+        return any(r.body.get("rid") == rid for r in self.received)
 
     def _app(self) -> FastAPI:
         app = FastAPI()
