@@ -3,8 +3,8 @@
 `POST /generate`, `/v1/completions`, `/v1/chat/completions`: pick a (prefill, decode) pair of
 ready workers by policy and forward (`proxy.py`). `GET /health` 200 while up; `GET /ready` 200
 when at least one prefill and one decode worker are ready; `GET /metrics` (Prometheus);
-`GET /v1/models` from a ready decode worker. Errors are JSON
-`{"error": {"message", "type", "code", "param"}}`.
+`GET /v1/models` from a ready decode worker; `POST /abort {"rid"}` to every worker. Errors
+are JSON `{"error": {"message", "type", "code", "param"}}`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from starlette.requests import ClientDisconnect
 from runtime.router.config import RouterConfig
 from runtime.router.discovery import Discovery, Resolver, build_discovery, run_discovery
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
+from runtime.router.exchange import CLIENT_GONE, forward
 from runtime.router.health import HealthChecker
 from runtime.router.metrics import RouterMetrics
 from runtime.router.policy import build_policy, least_loaded
-from runtime.router.proxy import CLIENT_GONE, Proxy
-from runtime.router.request import ENDPOINTS, parse_request
+from runtime.router.proxy import Proxy
+from runtime.router.request import ENDPOINTS, parse_abort, parse_request
 from runtime.router.workers import Worker, Workers
 
 log = logging.getLogger("baton.router")
@@ -89,7 +90,16 @@ class Router:
             self.metrics.on_request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         log.debug("%s %s -> prefill %s, decode %s", endpoint, req.rid, prefill.url, decode.url)
-        return await self.proxy.forward(request, req, prefill, decode)
+        return await forward(self.proxy, request, req, prefill, decode)
+
+    async def abort(self, request: Request) -> JSONResponse:
+        """`POST /abort {"rid"}` goes to every known worker (a rid lives on one pair; the
+        others answer that they do not know it)."""
+        rid = parse_abort(await request.body())
+        targets = self.workers.all()
+        for worker in targets:
+            self.proxy.abort(worker, rid)
+        return JSONResponse({"rid": rid, "sent_to": len(targets)})
 
     async def models(self) -> Response:
         ready = self.workers.decode.ready()
@@ -150,6 +160,10 @@ def _add_routes(app: FastAPI, router: Router) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         return await router.models()
+
+    @app.post("/abort")
+    async def abort(request: Request) -> JSONResponse:
+        return await router.abort(request)
 
 
 def _generation_route(router: Router, endpoint: str) -> Any:

@@ -50,6 +50,14 @@ def parse_request(endpoint: str, raw: bytes) -> PDRequest:
     return PDRequest(endpoint, body, prompt_text(endpoint, body))
 
 
+def parse_abort(raw: bytes) -> str:
+    """The rid of `POST /abort {"rid": X}`."""
+    rid = _json_object(raw).get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise RouterError(400, "rid must be a non-empty string", param="rid")
+    return rid
+
+
 def new_rooms(count: int) -> int | list[int]:
     """Random 63-bit rooms, all distinct: an int for one choice, else one per choice."""
     rooms: set[int] = set()

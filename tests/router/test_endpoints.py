@@ -123,3 +123,12 @@ def test_metrics_count_requests_failures_workers_and_latency(pd: PD) -> None:
     assert sample(m, "baton_router_request_latency_seconds_count", endpoint="/generate") == 3
     for worker in (p, d):
         assert sample(m, "baton_router_worker_in_flight", worker=worker.url) == 0
+
+
+def test_abort_goes_to_every_worker(pd: PD) -> None:
+    router, p, d = pd
+    answer = router.client.post("/abort", json={"rid": "mine"})
+    assert answer.status_code == 200 and answer.json() == {"rid": "mine", "sent_to": 2}
+    wait_for(lambda: "mine" in p.aborts and "mine" in d.aborts, what="aborts")
+    for bad in (b"[]", b'{"rid": 3}', b"{}"):
+        assert router.client.post("/abort", content=bad).status_code == 400
