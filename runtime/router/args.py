@@ -27,8 +27,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baton router",
                                 description="prefill/decode-aware gateway in front of baton workers")
-    p.add_argument("--host", default=DEFAULT.host)
-    p.add_argument("--port", type=_port, default=DEFAULT.port)
+    p.add_argument("--host", default=DEFAULT.host, help=f"(default: {DEFAULT.host})")
+    p.add_argument("--port", type=_port, default=DEFAULT.port, help=f"(default: {DEFAULT.port})")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,BOOTSTRAP_PORT]",
                    help=f"a prefill worker (repeatable; bootstrap port {DEFAULT_BOOTSTRAP_PORT} "
                    "unless given)")
@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every A/AAAA record of HOST is a prefill worker (re-resolved)")
     p.add_argument("--decode-dns", metavar="HOST:PORT",
                    help="every A/AAAA record of HOST is a decode worker (re-resolved)")
-    p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy)
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy,
+                   help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
+                   "requests in flight | longest shared prompt prefix, else fewest in flight "
+                   f"(default: {DEFAULT.policy})")
     _seconds(p, "--request-timeout-s", DEFAULT.request_timeout_s,
              "longest a worker may stay silent during a request")
     _seconds(p, "--connect-timeout-s", DEFAULT.connect_timeout_s, "connecting to a worker")
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-capacity", type=_positive_int, default=DEFAULT.prefix_capacity,
                    help="prefix policy: prompt-prefix blocks remembered, LRU "
                    f"(default: {DEFAULT.prefix_capacity})")
-    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level)
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
+                   help=f"(default: {DEFAULT.log_level})")
     return p
 
 

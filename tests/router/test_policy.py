@@ -7,7 +7,9 @@ from typing import Any
 
 import httpx
 
+from runtime.router.policy import IMBALANCE_SLACK, PrefixAffinity
 from runtime.router.prefix import PrefixIndex, block_hashes
+from runtime.router.workers import Worker
 from tests.router.conftest import wait_for
 from tests.router.fake_worker import FakeWorker
 
@@ -111,3 +113,16 @@ def test_prefix_index_is_bounded_and_prefers_the_longest_match() -> None:
     assert len(index) == 8  # least recently used prefixes went first
     assert index.match("aaaabbbbcccc", {"p0", "p1"}) == (None, 0)
     assert len(block_hashes("x" * 15, 4)) == 3  # only full blocks
+
+
+def test_prefix_affinity_yields_to_an_overloaded_worker() -> None:
+    policy = PrefixAffinity(min_chars=16, capacity=1024)
+    ps = [Worker("prefill", "http://p0:1", 8998, ready=True),
+          Worker("prefill", "http://p1:1", 8998, ready=True)]
+    d = [Worker("decode", "http://d0:1", ready=True)]
+    home, _ = policy.pick(ps, d, SYSTEM + "first")
+    home.in_flight = IMBALANCE_SLACK - 1
+    assert policy.pick(ps, d, SYSTEM + "second")[0] is home  # busy, but still affine
+    home.in_flight = IMBALANCE_SLACK
+    assert policy.pick(ps, d, SYSTEM + "third")[0] is not home  # too busy: least_load
+    assert policy.pick(ps, d, None)[0] in ps  # no readable prompt: least_load

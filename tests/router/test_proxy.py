@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -207,3 +208,34 @@ def test_unreachable_prefill_is_a_502_and_leaves_the_ready_set(pd: PD) -> None:
         assert r.json()["error"]["code"] == "prefill_connect"
         wait_for(lambda: d.generation().body["rid"] in d.aborts, what="decode aborted")
     assert router.client.get("/ready").status_code == 503
+
+
+async def test_concurrent_requests_each_get_their_own_answer(workers: Any, router: Any) -> None:
+    ps = [workers("prefill") for _ in range(2)]
+    ds = [workers("decode") for _ in range(2)]
+    r = router(ps, ds, "--policy", "least_load")
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        stream, fails = i % 2 == 0, i % 7 == 0
+        body: dict[str, Any] = {"text": f"prompt {i}", "rid": f"req{i}", "stream": stream,
+                                "fake": {"decode": {"chunks": 4, "delay_s": 0.01 * (i % 5)}}}
+        if fails:
+            body["fake"]["prefill"] = {"status": 400, "message": f"bad {i}"}
+            body["fake"]["decode"]["hang"] = True
+        answer = await client.post("/generate", json=body)
+        if fails:
+            assert answer.status_code == 400 and answer.json()["error"]["message"] == f"bad {i}"
+        elif stream:
+            got = events(answer.text.splitlines())
+            assert [e["meta_info"]["id"] for e in got[:-1]] == [f"req{i}"] * 4
+            assert got[-1] == "[DONE]"
+        else:
+            assert answer.json()["meta_info"]["id"] == f"req{i}"
+
+    async with httpx.AsyncClient(base_url=r.url, timeout=20, trust_env=False) as client:
+        await asyncio.gather(*(one(client, i) for i in range(48)))
+    wait_for(lambda: all(f'worker="{w.url}"}} 0.0' in r.metrics() for w in ps + ds),
+             what="every worker's in-flight back to 0")
+    m = r.metrics()
+    assert 'endpoint="/generate",status="200"} 41.0' in m
+    assert 'endpoint="/generate",status="400"} 7.0' in m
