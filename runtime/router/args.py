@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="prefill/decode-aware gateway in front of baton workers")
     p.add_argument("--host", default=DEFAULT.host, help=f"(default: {DEFAULT.host})")
     p.add_argument("--port", type=_port, default=DEFAULT.port, help=f"(default: {DEFAULT.port})")
+    _worker_flags(p)
+    _tuning_flags(p)
+    return p
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,BOOTSTRAP_PORT]",
                    help=f"a prefill worker (repeatable; bootstrap port {DEFAULT_BOOTSTRAP_PORT} "
                    "unless given)")
@@ -38,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every A/AAAA record of HOST is a prefill worker (re-resolved)")
     p.add_argument("--decode-dns", metavar="HOST:PORT",
                    help="every A/AAAA record of HOST is a decode worker (re-resolved)")
+
+
+def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy,
                    help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
                    "requests in flight | longest shared prompt prefix, else fewest in flight "
@@ -59,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: {DEFAULT.prefix_capacity})")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
                    help=f"(default: {DEFAULT.log_level})")
-    return p
 
 
 def parse_router_args(argv: list[str]) -> RouterConfig:
