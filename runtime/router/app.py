@@ -49,7 +49,8 @@ class Router:
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
         self.proxy = Proxy(self.client, self.metrics, config)
         self.health = HealthChecker(self.client, self.workers, self.metrics,
-                                    config.health_interval_s, config.health_timeout_s)
+                                    config.health_interval_s, config.health_timeout_s,
+                                    config.health_failures)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -57,6 +57,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     _seconds(p, "--abort-timeout-s", DEFAULT.abort_timeout_s, "a POST /abort to a worker")
     _seconds(p, "--health-interval-s", DEFAULT.health_interval_s, "between GET /ready polls")
     _seconds(p, "--health-timeout-s", DEFAULT.health_timeout_s, "one GET /ready poll")
+    p.add_argument("--health-failures", type=_positive_int, default=DEFAULT.health_failures,
+                   help="polls in a row without an answer that take a worker out; an answer "
+                   f"other than 200 or a refused connection does at once "
+                   f"(default: {DEFAULT.health_failures})")
     _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
     _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
              "on SIGTERM, requests in flight get this long to finish")
@@ -91,6 +95,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         decode_dns=decode_dns, policy=ns.policy, request_timeout_s=ns.request_timeout_s,
         connect_timeout_s=ns.connect_timeout_s, abort_timeout_s=ns.abort_timeout_s,
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
+        health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
         prefix_min_chars=ns.prefix_min_chars,
         prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,

@@ -48,6 +48,7 @@ class RouterConfig:
     abort_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
+    health_failures: int = 2  # unanswered polls in a row that take a ready worker out
     dns_refresh_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
     prefix_min_chars: int = 64  # shorter shared prefixes do not pin a prefill

@@ -1,4 +1,9 @@
-"""Worker readiness: every worker's `GET /ready` is polled; only ready workers get requests."""
+"""Worker readiness: every worker's `GET /ready` is polled; only ready workers get requests.
+
+A worker that answers anything but 200, or refuses the connection, is out at once; one that
+does not answer in time is out after `failures` such polls in a row (a busy worker may be slow
+to answer once). Its next 200 brings it back.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ log = logging.getLogger("baton.router")
 
 class HealthChecker:
     def __init__(self, client: httpx.AsyncClient, workers: Workers, metrics: RouterMetrics,
-                 interval: float, timeout: float):
+                 interval: float, timeout: float, failures: int = 1):
         self.client, self.workers, self.metrics = client, workers, metrics
-        self.interval, self.timeout = interval, timeout
+        self.interval, self.timeout, self.failures = interval, timeout, failures
 
     async def check(self, workers: Iterable[Worker]) -> None:
         """Poll each of `workers` once, concurrently, and publish the ready counts."""
@@ -39,8 +44,15 @@ class HealthChecker:
         try:
             response = await self.client.get(f"{worker.url}/ready", timeout=self.timeout)
             ready, why = response.status_code == 200, f"status {response.status_code}"
-        except httpx.HTTPError as e:
+            worker.unanswered = 0
+        except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
+        except httpx.HTTPError as e:
+            worker.unanswered += 1
+            ready, why = False, f"{type(e).__name__}: {e} ({worker.unanswered} in a row)"
+            if worker.unanswered < self.failures:
+                log.info("%s worker %s: no answer to GET /ready (%s)", worker.role, worker.url, why)
+                return
         if ready != worker.ready:
             log.info("%s worker %s is %s (%s)", worker.role, worker.url,
                      "ready" if ready else "not ready", "GET /ready 200" if ready else why)

@@ -20,6 +20,7 @@ class Worker:
     url: str
     bootstrap_port: int | None = None
     ready: bool = False  # until its first GET /ready answers 200
+    unanswered: int = 0  # health polls in a row that got no answer
     in_flight: int = 0  # requests this router has sent it and not seen finish
     picks: int = 0  # times a policy chose it
 

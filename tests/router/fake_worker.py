@@ -41,6 +41,7 @@ class FakeWorker:
                  bootstrap_port: int = 8998) -> None:
         self.role, self.bootstrap_port = role, bootstrap_port
         self.ready = True
+        self.ready_delay_s = 0.0  # GET /ready answers this late
         self.received: list[Received] = []
         self.aborts: list[str] = []
         self.sent_at: list[float] = []  # time.monotonic() of every streamed event
@@ -85,6 +86,7 @@ class FakeWorker:
 
         @app.get("/ready")
         async def ready() -> Response:
+            await asyncio.sleep(self.ready_delay_s)
             return JSONResponse({"ready": self.ready}, 200 if self.ready else 503)
 
         @app.get("/health")

@@ -22,7 +22,7 @@ from tests.router.server_thread import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BATON = Path(sys.executable).parent / "baton"
-FAST = ("--health-interval-s", "0.2", "--health-timeout-s", "1", "--dns-refresh-s", "0.2",
+FAST = ("--health-interval-s", "0.2", "--health-timeout-s", "2", "--dns-refresh-s", "0.2",
         "--shutdown-grace-s", "2")  # test-speed defaults; later flags win
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import httpx
 import pytest
 
+from runtime.router.health import HealthChecker
+from runtime.router.metrics import RouterMetrics
+from runtime.router.workers import Worker, Workers
 from tests.router.conftest import RouterThread, wait_for
 from tests.router.fake_worker import FakeWorker
 
@@ -132,3 +136,28 @@ def test_abort_goes_to_every_worker(pd: PD) -> None:
     wait_for(lambda: "mine" in p.aborts and "mine" in d.aborts, what="aborts")
     for bad in (b"[]", b'{"rid": 3}', b"{}"):
         assert router.client.post("/abort", content=bad).status_code == 400
+
+
+async def test_a_worker_that_stops_answering_is_out_after_n_polls(workers: Any) -> None:
+    w = workers("decode")
+    worker = Worker("decode", w.url)
+    async with httpx.AsyncClient(trust_env=False) as client:
+        health = HealthChecker(client, Workers(), RouterMetrics(), interval=1, timeout=0.1,
+                               failures=2)
+        await health.check([worker])
+        assert worker.ready
+        w.ready_delay_s = 0.5
+        await health.check([worker])
+        assert worker.ready  # one unanswered poll is not enough
+        await health.check([worker])
+        assert not worker.ready and worker.unanswered == 2
+        w.ready_delay_s = 0
+        await health.check([worker])
+        assert worker.ready and worker.unanswered == 0
+        w.ready = False
+        await health.check([worker])
+        assert not worker.ready  # a worker that says it is not ready is out at once
+        w.stop()
+        w.ready = True
+        await health.check([worker])
+        assert not worker.ready  # so is one that refuses the connection

@@ -24,6 +24,11 @@ def served_by(workers: list[FakeWorker], rid: str) -> int:
     return hits[0]
 
 
+def idle(router: Any, worker: FakeWorker) -> None:
+    """Wait until the router has no request in flight on `worker`."""
+    wait_for(lambda: f'worker="{worker.url}"}} 0.0' in router.metrics(), what="in-flight 0")
+
+
 def send(router: Any, rid: str, text: str = "hello", **steer: Any) -> httpx.Response:
     return router.client.post("/generate", json={"text": text, "rid": rid, "fake": steer})
 
@@ -42,19 +47,22 @@ def test_least_load_prefers_the_idle_worker(workers: Any, router: Any) -> None:
     ps = [workers("prefill") for _ in range(2)]
     ds = [workers("decode") for _ in range(2)]
     r = router(ps, ds, "--policy", "least_load")
-    hanging = threading.Thread(target=send, args=(r, "busy"),
-                               kwargs={"prefill": {"hang": True}, "decode": {"hang": True}})
+    busy = {"text": "hello", "rid": "busy",
+            "fake": {"prefill": {"hang": True}, "decode": {"hang": True}}}
+    # its own connection: an httpx.Client is not to be shared between threads
+    hanging = threading.Thread(target=httpx.post, args=(f"{r.url}/generate",),
+                               kwargs={"json": busy, "timeout": 30, "trust_env": False})
     hanging.start()
     wait_for(lambda: any(w.received for w in ds), what="the first request in flight")
     busy_p, busy_d = served_by(ps, "busy"), served_by(ds, "busy")
     for i in range(3):  # while it runs, every request goes to the other pair
         assert send(r, f"r{i}").status_code == 200
         assert (served_by(ps, f"r{i}"), served_by(ds, f"r{i}")) == (1 - busy_p, 1 - busy_d)
+        idle(r, ps[1 - busy_p])  # a stand-in D may answer before P did
     for w in (ps[busy_p], ds[busy_d]):
         w.aborts.append("busy")  # let it finish
     hanging.join(10)
-    wait_for(lambda: 'worker_in_flight{role="prefill",worker="' + ps[busy_p].url + '"} 0.0'
-             in r.metrics(), what="in-flight back to 0")
+    idle(r, ps[busy_p])
     # idle again: ties go to the worker picked least often
     assert send(r, "after").status_code == 200
     assert served_by(ps, "after") == busy_p
@@ -75,7 +83,10 @@ def test_prefix_affinity_sticks_and_falls_back_to_least_load(workers: Any, route
         assert served_by(ps, f"a{i + 2}") == first_a
         assert served_by(ps, f"b{i + 2}") == first_b
     # a shared prefix shorter than --prefix-min-chars does not pin: least_load decides
+    for w in ps:
+        idle(r, w)
     assert send(r, "c1", SYSTEM[:40] + "x" * 100).status_code == 200
+    idle(r, ps[served_by(ps, "c1")])
     assert send(r, "c2", SYSTEM[:40] + "y" * 100).status_code == 200
     assert served_by(ps, "c1") != served_by(ps, "c2")
     # the affine worker is not ready: the prompt goes elsewhere instead of failing
