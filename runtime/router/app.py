@@ -1,0 +1,195 @@
+"""The router's HTTP app.
+
+`POST /generate`, `/v1/completions`, `/v1/chat/completions`: pick a (prefill, decode) pair of
+ready workers by policy and forward (`proxy.py`). `GET /health` 200 while up; `GET /ready` 200
+when at least one prefill and one decode worker are ready; `GET /metrics` (Prometheus);
+`GET /v1/models` from a ready decode worker; `POST /abort {"rid"}` to every worker. Errors
+are JSON `{"error": {"message", "type", "code", "param"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from runtime.router.config import RouterConfig
+from runtime.router.discovery import Discovery, Resolver, build_discovery, run_discovery
+from runtime.router.errors import RouterError, UpstreamFailure, unavailable
+from runtime.router.exchange import CLIENT_GONE, forward
+from runtime.router.health import HealthChecker
+from runtime.router.metrics import RouterMetrics
+from runtime.router.policy import build_policy, least_loaded
+from runtime.router.proxy import Proxy
+from runtime.router.request import ENDPOINTS, parse_abort, parse_request
+from runtime.router.workers import Worker, Workers
+
+log = logging.getLogger("baton.router")
+
+
+class Router:
+    """The router's state: built once per app, shared by every request."""
+
+    def __init__(self, config: RouterConfig, discovery: Discovery):
+        self.config, self.discovery = config, discovery
+        self.workers = Workers()
+        self.metrics = RouterMetrics()
+        self.policy = build_policy(config.policy, config)
+        self.client = httpx.AsyncClient(
+            trust_env=False,  # workers are reached directly, never through an env proxy
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
+        self.proxy = Proxy(self.client, self.metrics, config)
+        self.health = HealthChecker(self.client, self.workers, self.metrics,
+                                    config.health_interval_s, config.health_timeout_s,
+                                    config.health_failures)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Discovery and health checks in the background while the app serves."""
+        tasks = [asyncio.create_task(run_discovery(self.discovery, self.workers,
+                                                   self._membership_changed)),
+                 asyncio.create_task(self.health.run())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.proxy.drain(self.config.abort_timeout_s)
+            await self.client.aclose()
+
+    async def _membership_changed(self, joined: list[Worker], left: list[Worker]) -> None:
+        for worker in left:
+            self.metrics.forget_worker(worker.role, worker.url)
+        await self.health.check(joined)  # newcomers serve as soon as they are ready
+
+    def pick(self, prompt: str | None) -> tuple[Worker, Worker]:
+        missing = self.workers.missing_roles()
+        if missing:
+            raise unavailable(f"no ready {' and no ready '.join(missing)} worker "
+                              f"(known: {len(self.workers.prefill)} prefill, "
+                              f"{len(self.workers.decode)} decode)")
+        return self.policy.pick(self.workers.prefill.ready(), self.workers.decode.ready(), prompt)
+
+    async def generate(self, request: Request, endpoint: str) -> Response:
+        try:
+            req = parse_request(endpoint, await request.body())
+            prefill, decode = self.pick(req.prompt)
+        except RouterError as e:
+            self.metrics.on_request(endpoint, e.status)
+            return e.response()
+        except ClientDisconnect:
+            self.metrics.on_request(endpoint, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        log.debug("%s %s -> prefill %s, decode %s", endpoint, req.rid, prefill.url, decode.url)
+        return await forward(self.proxy, request, req, prefill, decode)
+
+    async def abort(self, request: Request) -> JSONResponse:
+        """`POST /abort {"rid"}` goes to every known worker (a rid lives on one pair; the
+        others answer that they do not know it)."""
+        rid = parse_abort(await request.body())
+        targets = self.workers.all()
+        for worker in targets:
+            self.proxy.abort(worker, rid)
+        return JSONResponse({"rid": rid, "sent_to": len(targets)})
+
+    async def models(self) -> Response:
+        ready = self.workers.decode.ready()
+        if not ready:
+            raise unavailable("no ready decode worker to list the models")
+        worker = least_loaded(ready)
+        try:
+            r = await self.client.get(f"{worker.url}/v1/models",
+                                      timeout=self.config.health_timeout_s)
+        except httpx.HTTPError as e:
+            return self.proxy.failed(worker, e).response()
+        return Response(r.content, r.status_code,
+                        media_type=r.headers.get("content-type", "application/json"))
+
+    def readiness(self) -> JSONResponse:
+        counts = {role: len(self.workers.pool(role).ready()) for role in ("prefill", "decode")}
+        missing = self.workers.missing_roles()
+        if missing:
+            err = unavailable(f"not ready: no ready {' and no ready '.join(missing)} worker",
+                              code="not_ready")
+            return JSONResponse({**err.body(), "ready_workers": counts}, err.status)
+        return JSONResponse({"status": "ready", "ready_workers": counts})
+
+
+def create_app(config: RouterConfig, discovery: Discovery | None = None,
+               resolver: Resolver | None = None) -> FastAPI:
+    """The app; `discovery` (or a DNS `resolver`) can be injected by tests."""
+    router = Router(config, discovery or build_discovery(config, resolver))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with router.running():
+            yield
+
+    app = FastAPI(title="baton router", lifespan=lifespan)
+    app.state.router = router
+    _add_routes(app, router)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_routes(app: FastAPI, router: Router) -> None:
+    for endpoint in ENDPOINTS:
+        app.add_api_route(endpoint, _generation_route(router, endpoint), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        return router.readiness()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.models()
+
+    @app.post("/abort")
+    async def abort(request: Request) -> JSONResponse:
+        return await router.abort(request)
+
+
+def _generation_route(router: Router, endpoint: str) -> Any:
+    async def route(request: Request) -> Response:
+        return await router.generate(request, endpoint)
+
+    route.__name__ = "post_" + endpoint.strip("/").replace("/", "_").replace(".", "_")
+    return route
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_router_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError | UpstreamFailure)
+        return exc.response()
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return RouterError(exc.status_code, str(exc.detail), code=code).response()
+
+    async def on_crash(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        return RouterError(500, f"internal error: {exc}", "server_error", "internal").response()
+
+    app.add_exception_handler(RouterError, on_router_error)
+    app.add_exception_handler(UpstreamFailure, on_router_error)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)

@@ -1,0 +1,186 @@
+"""`baton router` argument parsing (DESIGN.md "CLI contract"); defaults from `RouterConfig`.
+
+Each role's workers come from exactly one source: static URLs (`--prefill URL[,BOOTSTRAP_PORT]`
+repeated, `--decode URL` repeated) or a DNS name re-resolved every `--dns-refresh-s`
+(`--prefill-dns HOST:PORT:BOOTSTRAP_PORT`, `--decode-dns HOST:PORT`). Bad values are argparse
+errors (exit 2) that name the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from urllib.parse import urlsplit
+
+from runtime.router.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    POLICIES,
+    ROLES,
+    DnsName,
+    RouterConfig,
+    WorkerAddress,
+)
+
+DEFAULT = RouterConfig()
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton router",
+                                description="prefill/decode-aware gateway in front of baton workers")
+    p.add_argument("--host", default=DEFAULT.host, help=f"(default: {DEFAULT.host})")
+    p.add_argument("--port", type=_port, default=DEFAULT.port, help=f"(default: {DEFAULT.port})")
+    _worker_flags(p)
+    _tuning_flags(p)
+    return p
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,BOOTSTRAP_PORT]",
+                   help=f"a prefill worker (repeatable; bootstrap port {DEFAULT_BOOTSTRAP_PORT} "
+                   "unless given)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode worker (repeatable)")
+    p.add_argument("--prefill-dns", metavar="HOST:PORT:BOOTSTRAP_PORT",
+                   help="every A/AAAA record of HOST is a prefill worker (re-resolved)")
+    p.add_argument("--decode-dns", metavar="HOST:PORT",
+                   help="every A/AAAA record of HOST is a decode worker (re-resolved)")
+
+
+def _tuning_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy,
+                   help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
+                   "requests in flight | longest shared prompt prefix, else fewest in flight "
+                   f"(default: {DEFAULT.policy})")
+    _seconds(p, "--request-timeout-s", DEFAULT.request_timeout_s,
+             "longest a worker may stay silent during a request")
+    _seconds(p, "--connect-timeout-s", DEFAULT.connect_timeout_s, "connecting to a worker")
+    _seconds(p, "--abort-timeout-s", DEFAULT.abort_timeout_s, "a POST /abort to a worker")
+    _seconds(p, "--health-interval-s", DEFAULT.health_interval_s, "between GET /ready polls")
+    _seconds(p, "--health-timeout-s", DEFAULT.health_timeout_s, "one GET /ready poll")
+    p.add_argument("--health-failures", type=_positive_int, default=DEFAULT.health_failures,
+                   help="polls in a row without an answer that take a worker out; an answer "
+                   f"other than 200 or a refused connection does at once "
+                   f"(default: {DEFAULT.health_failures})")
+    _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
+    _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
+             "on SIGTERM, requests in flight get this long to finish")
+    p.add_argument("--prefix-min-chars", type=_positive_int, default=DEFAULT.prefix_min_chars,
+                   help="prefix policy: shortest shared prompt prefix that pins a prefill "
+                   f"(default: {DEFAULT.prefix_min_chars})")
+    p.add_argument("--prefix-capacity", type=_positive_int, default=DEFAULT.prefix_capacity,
+                   help="prefix policy: prompt-prefix blocks remembered, LRU "
+                   f"(default: {DEFAULT.prefix_capacity})")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
+                   help=f"(default: {DEFAULT.log_level})")
+
+
+def parse_router_args(argv: list[str]) -> RouterConfig:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        prefill = tuple(parse_prefill_url(v) for v in ns.prefill)
+        decode = tuple(parse_worker_url(v, "--decode") for v in ns.decode)
+        prefill_dns = None if ns.prefill_dns is None else parse_dns(ns.prefill_dns, "prefill")
+        decode_dns = None if ns.decode_dns is None else parse_dns(ns.decode_dns, "decode")
+    except ValueError as e:
+        parser.error(str(e))
+    for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
+                                 strict=True):
+        if static and dns is not None:
+            parser.error(f"give --{role} or --{role}-dns, not both")
+        if not static and dns is None:
+            parser.error(f"no {role} workers: give --{role} URL (repeatable) or --{role}-dns")
+    return RouterConfig(
+        host=ns.host, port=ns.port, prefill=prefill, decode=decode, prefill_dns=prefill_dns,
+        decode_dns=decode_dns, policy=ns.policy, request_timeout_s=ns.request_timeout_s,
+        connect_timeout_s=ns.connect_timeout_s, abort_timeout_s=ns.abort_timeout_s,
+        health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
+        health_failures=ns.health_failures,
+        dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
+        prefix_min_chars=ns.prefix_min_chars,
+        prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
+    )
+
+
+def parse_worker_url(value: str, flag: str) -> WorkerAddress:
+    """`http://host:port` (https too); the path, query and trailing slash are not allowed."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"{flag} {value!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} {value!r}: expected http://HOST:PORT")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{flag} {value!r}: give the worker's base URL, without a path")
+    if port == 0:
+        raise ValueError(f"{flag} {value!r}: port must be 1-65535")
+    return WorkerAddress(url=f"{parts.scheme}://{parts.netloc}")
+
+
+def parse_prefill_url(value: str) -> WorkerAddress:
+    """`URL[,BOOTSTRAP_PORT]`."""
+    url, sep, bootstrap = value.partition(",")
+    address = parse_worker_url(url, "--prefill")
+    port = DEFAULT_BOOTSTRAP_PORT
+    if sep:
+        port = _port_value(bootstrap, f"--prefill {value!r}: bootstrap port")
+    return WorkerAddress(url=address.url, bootstrap_port=port)
+
+
+def parse_dns(value: str, role: str) -> DnsName:
+    """`HOST:PORT:BOOTSTRAP_PORT` for prefill, `HOST:PORT` for decode (HOST may be [IPv6])."""
+    flag = f"--{role}-dns"
+    fields = 2 if role == "prefill" else 1
+    parts = value.rsplit(":", fields)
+    if len(parts) != fields + 1:
+        shape = "HOST:PORT:BOOTSTRAP_PORT" if role == "prefill" else "HOST:PORT"
+        raise ValueError(f"{flag} {value!r}: expected {shape}")
+    host = parts[0].removeprefix("[").removesuffix("]")
+    if not host:
+        raise ValueError(f"{flag} {value!r}: empty host")
+    port = _port_value(parts[1], f"{flag} {value!r}: port")
+    bootstrap = _port_value(parts[2], f"{flag} {value!r}: bootstrap port") if fields == 2 else None
+    return DnsName(host=host, port=port, bootstrap_port=bootstrap)
+
+
+def _port_value(text: str, what: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} is not a number") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{what} {port} is not in 1-65535")
+    return port
+
+
+def _port(text: str) -> int:
+    try:
+        return _port_value(text, "port")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def _seconds(p: argparse.ArgumentParser, flag: str, default: float, help_text: str) -> None:
+    p.add_argument(flag, type=_positive_float, default=default,
+                   help=f"{help_text} (default: {default})")

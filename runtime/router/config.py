@@ -1,0 +1,56 @@
+"""`baton router` configuration: frozen dataclasses built once in `main` and passed down.
+
+argparse defaults come from `RouterConfig`'s fields (see `runtime.router.args`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+PolicyName = Literal["round_robin", "least_load", "prefix"]
+POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix")
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    """Where one worker answers HTTP; a prefill also names its bootstrap port."""
+
+    url: str  # scheme://host:port, no trailing slash
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class DnsName:
+    """A name whose A/AAAA records are the workers of one role, all on `port`."""
+
+    host: str
+    port: int
+    bootstrap_port: int | None = None  # prefill only
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Every `baton router` flag. A role's workers come from a static list or a DNS name."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: tuple[WorkerAddress, ...] = ()
+    decode: tuple[WorkerAddress, ...] = ()
+    prefill_dns: DnsName | None = None
+    decode_dns: DnsName | None = None
+    policy: PolicyName = "round_robin"
+    request_timeout_s: float = 600.0  # longest silence from a worker during one request
+    connect_timeout_s: float = 5.0
+    abort_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    health_failures: int = 2  # unanswered polls in a row that take a ready worker out
+    dns_refresh_s: float = 5.0
+    shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
+    prefix_min_chars: int = 64  # shorter shared prefixes do not pin a prefill
+    prefix_capacity: int = 65536  # prefix blocks remembered (LRU)
+    log_level: str = "info"

@@ -1,0 +1,81 @@
+"""The workers the router knows, per role, with their readiness and in-flight load.
+
+Discovery replaces a role's membership (`WorkerPool.sync`); health checks flip `ready`; the
+proxy counts requests in and out. Everything runs on the router's one event loop, so plain
+attributes need no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from runtime.router.config import ROLES, Role, WorkerAddress
+
+
+@dataclass(eq=False)
+class Worker:
+    role: Role
+    url: str
+    bootstrap_port: int | None = None
+    ready: bool = False  # until its first GET /ready answers 200
+    unanswered: int = 0  # health polls in a row that got no answer
+    in_flight: int = 0  # requests this router has sent it and not seen finish
+    picks: int = 0  # times a policy chose it
+
+    @property
+    def host(self) -> str:
+        """The host exactly as in the URL, without IPv6 brackets: the `bootstrap_host` of P."""
+        netloc = urlsplit(self.url).netloc.rpartition("@")[2]
+        host = netloc.rsplit(":", 1)[0] if not netloc.endswith("]") else netloc
+        return host.removeprefix("[").removesuffix("]")
+
+
+@dataclass
+class WorkerPool:
+    """One role's workers, keyed by URL; a worker keeps its state while discovery still sees it."""
+
+    role: Role
+    by_url: dict[str, Worker] = field(default_factory=dict)
+
+    def sync(self, addresses: Iterable[WorkerAddress]) -> tuple[list[Worker], list[Worker]]:
+        """Make the membership exactly `addresses`; returns (joined, left)."""
+        wanted = {a.url: a for a in addresses}
+        left = [w for url, w in self.by_url.items() if url not in wanted]
+        for worker in left:
+            del self.by_url[worker.url]
+        joined = []
+        for url, address in wanted.items():
+            known = self.by_url.get(url)
+            if known is not None and known.bootstrap_port == address.bootstrap_port:
+                continue
+            worker = Worker(self.role, url, address.bootstrap_port)
+            self.by_url[url] = worker
+            joined.append(worker)
+        return joined, left
+
+    def ready(self) -> list[Worker]:
+        return [w for w in self.by_url.values() if w.ready]
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self.by_url.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_url)
+
+
+@dataclass
+class Workers:
+    prefill: WorkerPool = field(default_factory=lambda: WorkerPool("prefill"))
+    decode: WorkerPool = field(default_factory=lambda: WorkerPool("decode"))
+
+    def pool(self, role: Role) -> WorkerPool:
+        return self.prefill if role == "prefill" else self.decode
+
+    def all(self) -> list[Worker]:
+        return [w for role in ROLES for w in self.pool(role)]
+
+    def missing_roles(self) -> list[Role]:
+        """Roles without a ready worker (the router is ready when this is empty)."""
+        return [role for role in ROLES if not self.pool(role).ready()]
