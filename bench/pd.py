@@ -67,6 +67,14 @@ def receiver_main(backend: str, conn: Connection) -> None:
             conn.send(frame.aux.room)
 
 
+def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> tuple[list[int], list[int]]:
+    """Source and destination pages: one run each (a fresh pool) or scattered (after churn)."""
+    if layout == "contiguous":
+        src_at, dst_at = rng.randrange(num_pages - pages + 1), rng.randrange(num_pages - pages + 1)
+        return list(range(src_at, src_at + pages)), list(range(dst_at, dst_at + pages))
+    return rng.sample(range(num_pages), pages), rng.sample(range(num_pages), pages)
+
+
 def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str, Any]]:
     from runtime.disagg.transfer.base import create_transfer
     from runtime.disagg.wire import AuxRecord, RoomDone, send_frame
@@ -82,27 +90,64 @@ def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str,
         link = socket.create_connection(("127.0.0.1", port))
         link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rows, rng, room = [], random.Random(0), 0
-        for n in tokens:
-            pages = n // LAYOUT["page_size"]
-            times = []
-            for _ in range(reps):
-                room += 1
-                src = rng.sample(range(pool.num_pages), pages)
-                dst = rng.sample(range(pool.num_pages), pages)
-                began = time.perf_counter()
-                nbytes = transfer.write("decode", link, room, src, dst)
-                send_frame(link, RoomDone(AuxRecord(room, "bench", n, 0)))
-                assert parent.recv() == room
-                times.append(time.perf_counter() - began)
-            t = statistics.median(times)
-            rows.append({"backend": backend, "tokens": n, "bytes": nbytes, "median_s": t,
-                         "gb_s": nbytes / t / 1e9})
+        for layout in ("contiguous", "scattered"):
+            for n in tokens:
+                pages = n // LAYOUT["page_size"]
+                times = []
+                for _ in range(reps):
+                    room += 1
+                    src, dst = page_lists(rng, pool.num_pages, pages, layout)
+                    began = time.perf_counter()
+                    nbytes = transfer.write("decode", link, room, src, dst)
+                    send_frame(link, RoomDone(AuxRecord(room, "bench", n, 0)))
+                    assert parent.recv() == room
+                    times.append(time.perf_counter() - began)
+                t = statistics.median(times)
+                rows.append({"backend": backend, "pages": layout, "tokens": n, "bytes": nbytes,
+                             "median_s": t, "gb_s": nbytes / t / 1e9})
         transfer.close()
         link.close()
         return rows
     finally:
         proc.kill()
         proc.join(5)
+
+
+def cma_child(nbytes: int, reps: int, conn: Connection) -> None:
+    """Owns the destination buffer; the parent writes into it with process_vm_writev."""
+    import numpy as np
+
+    dst = np.ones(nbytes, dtype=np.uint8)
+    conn.send((os.getpid(), dst.ctypes.data))
+    conn.recv()
+
+
+def cma_bench(nbytes: int, reps: int) -> float:
+    """The cma transport's own ceiling: one process_vm_writev of `nbytes` into another process
+    (what UCX uses for host memory on one machine), single thread."""
+    import ctypes
+
+    import numpy as np
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]  # noqa: RUF012
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=cma_child, args=(nbytes, reps, child))
+    proc.start()
+    pid, addr = parent.recv()
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    local, remote = Iovec(src.ctypes.data, nbytes), Iovec(addr, nbytes)
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        done = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        times.append(time.perf_counter() - began)
+        assert done == nbytes, f"process_vm_writev: errno {ctypes.get_errno()}"
+    parent.send("done")
+    proc.join(10)
+    return nbytes / statistics.median(times) / 1e9
 
 
 def memcpy_bench(nbytes: int, reps: int) -> float:
@@ -127,16 +172,21 @@ def run_transfers(tokens: list[int], reps: int) -> dict[str, Any]:
             rows += transfer_bench(backend, tokens, reps)
         except Exception as e:  # e.g. nixl missing on this host: say so, measure the rest
             print(f"{backend}: not measured ({e})", file=sys.stderr)
-    memcpy = {str(r["tokens"]): memcpy_bench(r["bytes"], reps) for r in rows if r["backend"] == "tcp"}
+    sizes = sorted({r["bytes"] for r in rows})
+    memcpy = {n: memcpy_bench(n, reps) for n in sizes}
+    cma = {n: cma_bench(n, reps) for n in sizes}
     for r in rows:
-        r["memcpy_gb_s"] = memcpy.get(str(r["tokens"]))
-        r["vs_memcpy"] = r["gb_s"] / r["memcpy_gb_s"] if r["memcpy_gb_s"] else None
-    print(f"\nKV transfer, {LAYOUT}, float32, median of {reps}")
-    print(f"{'backend':>8} {'tokens':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")
+        r["memcpy_gb_s"], r["cma_gb_s"] = memcpy[r["bytes"]], cma[r["bytes"]]
+        r["vs_memcpy"] = r["gb_s"] / r["memcpy_gb_s"]
+    print(f"\nKV transfer, {LAYOUT}, float32, median of {reps}; peers: single-thread memcpy and "
+          "one process_vm_writev (cma) of the same bytes")
+    print(f"{'backend':>8} {'pages':>11} {'tokens':>7} {'MB':>7} {'ms':>8} {'GB/s':>6} "
+          f"{'memcpy':>7} {'cma':>6} {'/memcpy':>8}")
     for r in rows:
-        print(f"{r['backend']:>8} {r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} {r['median_s'] * 1e3:>8.2f} "
-              f"{r['gb_s']:>7.2f} {r['memcpy_gb_s'] or float('nan'):>12.2f} {r['vs_memcpy'] or 0:>6.2f}")
-    return {"rows": rows}
+        print(f"{r['backend']:>8} {r['pages']:>11} {r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} "
+              f"{r['median_s'] * 1e3:>8.2f} {r['gb_s']:>6.2f} {r['memcpy_gb_s']:>7.2f} "
+              f"{r['cma_gb_s']:>6.2f} {r['vs_memcpy']:>8.2f}")
+    return {"rows": rows, "memcpy_gb_s": memcpy, "cma_gb_s": cma}
 
 
 def main() -> int:

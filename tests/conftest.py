@@ -45,3 +45,11 @@ def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
     from runtime.engine.engine import load_tokenizer
 
     return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with the real tokenizer, for tests where speed matters."""
+    from tests.disagg.pd import tiny_model
+
+    return tiny_model(model_path, tmp_path_factory.mktemp("tiny-llama"))

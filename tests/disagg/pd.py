@@ -109,7 +109,8 @@ def tiny_model(model_path: Path, dest: Path) -> Path:
     config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(dest)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json", "generation_config.json"):
         if (model_path / name).exists():
             shutil.copy(model_path / name, dest / name)
     return dest

@@ -1,48 +1,27 @@
 """Disaggregated greedy output equals colocated `baton serve` and HF transformers, token for token
-(near-tie rule), for 8 prompts sent at once, streamed and not, over tcp and nixl."""
+(near-tie rule), for 8 prompts sent at once, streamed and not: one prefill + one decode over tcp,
+driven directly (test_pd_router.py does nixl with 2 x 2 through `baton up` and the router)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.disagg.conftest import MAX_NEW
 from tests.disagg.pd import Pair, pd_call, start_pair, stream_ids
-from tests.engine.hf_reference import Reference, compare, hf_greedy
+from tests.engine.hf_reference import Reference, compare
 from tests.server.server_process import ServerProcess
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Hello, my name is",
-    "Once upon a time, in a land far away, there lived a",
-    "List three colors:",
-    "Water boils at a temperature of",
-    "Explain why the sky is blue. " * 6,
-    "In 1492, Columbus sailed across the ocean. " * 12,
-]
-MAX_NEW = 24
 
-
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
+@pytest.fixture(scope="module", params=["tcp"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     p = start_pair(tmp_path_factory.mktemp(f"pd-{request.param}"), request.param)
     yield p
     p.stop()
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer: Any) -> list[list[int]]:
-    return [tokenizer.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def hf_refs(model_path: Path, prompt_ids: list[list[int]]) -> list[Reference]:
-    return hf_greedy(model_path, prompt_ids, MAX_NEW)
 
 
 def body(ids: list[int], pair: Pair, stream: bool) -> dict[str, Any]:
