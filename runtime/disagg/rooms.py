@@ -8,8 +8,11 @@ undone by a late error).
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 class RoomState(enum.Enum):
@@ -49,6 +52,7 @@ class Room:
         if self.state.terminal:
             return False
         self.state, self.since = state, time.monotonic()
+        log.debug("room %d: %s at +%.1f ms", self.room, state.value, 1e3 * (self.since - self.created))
         return True
 
     def fail(self, reason: str) -> bool:
