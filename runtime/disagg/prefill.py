@@ -26,7 +26,7 @@ from typing import Any, Generic
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, KVLayout, PeerRegistration, RoomRequest
@@ -143,7 +143,7 @@ class PrefillRole(Generic[R]):
             self.cancelled = {k: t for k, t in self.cancelled.items() if t > horizon}
         for r in rooms:
             self._advance(r, touched)
-        self._count_rooms()
+        self.stats.rooms = count_states(r.room for r in self.rooms.values())
         return touched
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
@@ -258,12 +258,6 @@ class PrefillRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
-
-    def _count_rooms(self) -> None:
-        counts: dict[str, int] = {}
-        for r in self.rooms.values():
-            counts[r.room.state.value] = counts.get(r.room.state.value, 0) + 1
-        self.stats.rooms = counts
 
     def close(self) -> None:
         if self.bootstrap is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -63,3 +64,11 @@ class Room:
 
     def waited(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.since
+
+
+def count_states(rooms: Iterable[Room]) -> dict[str, int]:
+    """How many rooms are in each state (for the rooms-by-state gauge)."""
+    counts: dict[str, int] = {}
+    for room in rooms:
+        counts[room.state.value] = counts.get(room.state.value, 0) + 1
+    return counts

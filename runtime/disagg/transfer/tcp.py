@@ -38,17 +38,21 @@ def page_views(views: list[torch.Tensor], pages: list[int]) -> list[memoryview]:
     return [memoryview(v[a:b].numpy()).cast("B") for v in views for a, b in spans]  # type: ignore[arg-type]
 
 
+def _advance(parts: list[memoryview], i: int, n: int) -> int:
+    """Past `n` bytes done from parts[i] on (the last one may be done in part); the next i."""
+    while n:
+        if n >= len(parts[i]):
+            n -= len(parts[i])
+            i += 1
+        else:
+            parts[i], n = parts[i][n:], 0
+    return i
+
+
 def send_views(sock: socket.socket, parts: list[memoryview]) -> None:
     i = 0
     while i < len(parts):
-        sent = sock.sendmsg(parts[i:i + IOV_MAX])
-        while sent:  # advance past what went out; a part may have gone out in part
-            if sent >= len(parts[i]):
-                sent -= len(parts[i])
-                i += 1
-            else:
-                parts[i] = parts[i][sent:]
-                sent = 0
+        i = _advance(parts, i, sock.sendmsg(parts[i:i + IOV_MAX]))
 
 
 def recv_views(sock: socket.socket, parts: list[memoryview]) -> None:
@@ -57,13 +61,7 @@ def recv_views(sock: socket.socket, parts: list[memoryview]) -> None:
         got = sock.recvmsg_into(parts[i:i + IOV_MAX])[0]
         if got == 0:
             raise LinkClosed("peer closed the link in the middle of a room's pages")
-        while got:
-            if got >= len(parts[i]):
-                got -= len(parts[i])
-                i += 1
-            else:
-                parts[i] = parts[i][got:]
-                got = 0
+        i = _advance(parts, i, got)
 
 
 class TcpTransfer(KVTransfer):
