@@ -121,7 +121,9 @@ class DecodeRole(Generic[R]):
             if r is None or r.room.state.terminal:
                 self.prealloc.popleft()
                 continue
-            if not self.scheduler.can_reserve(r.req):
+            incoming = [x.req for x in self.rooms.values()
+                        if x.fence is not None and not x.room.state.terminal]
+            if not self.scheduler.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
             r.fence = self.scheduler.kv_fence()

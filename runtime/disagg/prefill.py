@@ -85,8 +85,15 @@ class PrefillRole(Generic[R]):
             raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
                                f"the decode server expects {peer.backend!r} (--kv-transfer)")
         self.transfer.connect(peer.decode_id, peer.backend_info)
+        address = (peer.receiver_host, peer.receiver_port)
         with self.lock:
+            stale = [d for d, p in self.peers.items()  # a decode restarted on the same address
+                     if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id]
+            for decode_id in stale:
+                del self.peers[decode_id]
             self.peers[peer.decode_id] = peer
+        for decode_id in stale:
+            self.transfer.forget(decode_id)
         log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
                  peer.receiver_host, peer.receiver_port)
         return self.transfer.local_info()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -124,17 +124,18 @@ class Scheduler:
                 "max_new_tokens",
             )
 
-    def can_reserve(self, req: Req) -> bool:
-        """Decode role: is there room for `req`'s prompt KV (arriving by transfer) while keeping
-        the running requests' decode reserve, and a request slot? Alone, it only needs to fit."""
+    def can_reserve(self, req: Req, incoming: Sequence[Req] = ()) -> bool:
+        """Decode role: is there room for `req`'s prompt KV (arriving by transfer) and a request
+        slot, keeping the decode reserve of the running requests, of `incoming` (prompt pages
+        taken already, KV on its way) and of `req`? Alone, it only needs to fit."""
         alloc = self.kv.allocator
         if self.kv.req_to_token.available == 0:
             return False
         prompt = alloc.pages_for(len(req.origin_input_ids))
-        reserve = alloc.pages_for(decode_reserve_tokens([*self.running.reqs, req], self.new_token_ratio))
-        if not self.has_work():
+        if not self.has_work() and not incoming:
             return prompt <= alloc.available_pages
-        return prompt + reserve <= alloc.available_pages
+        reserve = decode_reserve_tokens([*self.running.reqs, *incoming, req], self.new_token_ratio)
+        return prompt + alloc.pages_for(reserve) <= alloc.available_pages
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish request `rid` with reason abort and free its KV. False if unknown."""

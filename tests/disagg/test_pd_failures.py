@@ -65,6 +65,19 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(pair: Pair) ->
     prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
     assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8  # still serving
     eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
+    # the prefill side refuses a second request for a room it already has
+    async def twice() -> list[httpx.Response]:
+        body = gen_body(pair)
+        async with httpx.AsyncClient(timeout=30) as http:
+            first = asyncio.ensure_future(http.post(f"{pair.prefill.url}/generate", json=body))
+            await asyncio.sleep(0.5)
+            again = await http.post(f"{pair.prefill.url}/generate", json={**body, "rid": "x2"})
+            done = await http.post(f"{pair.decode.url}/generate", json=body)
+            return [again, await first, done]
+    again, first, done = asyncio.run(twice())
+    assert again.status_code == 409 and first.status_code == 200 and done.status_code == 200
+    for srv in (pair.prefill, pair.decode):
+        assert "baton_kv_transfers_total 4.0" in httpx.get(f"{srv.url}/metrics").text
 
 
 async def _one(pair: Pair, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
@@ -79,6 +92,8 @@ def test_decode_that_never_shows_up_frees_the_room(pair: Pair) -> None:
     assert "no decode server asked for room" in r.json()["error"]["message"]
     assert 2.5 < time.monotonic() - began < 10
     assert kv_free(pair.prefill.url)
+    metrics = httpx.get(f"{pair.prefill.url}/metrics").text
+    assert 'baton_kv_transfer_failures_total{reason="bootstrap_timeout"} 1.0' in metrics
 
 
 def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
