@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.disagg.pd import Pair, pd_call, restart_prefill, start_pair
+from tests.router.router_process import start_router
 
 FAST = ("--bootstrap-timeout-s", "3", "--waiting-timeout-s", "6", "--heartbeat-interval-s", "0.5",
         "--heartbeat-misses", "2")
@@ -168,3 +169,28 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
         eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
     finally:
         pair.stop()
+
+
+def test_decode_killed_mid_stream_through_the_router(pair: Pair, tmp_path: Path) -> None:
+    """The client gets an in-band error and [DONE], never a hang; the prefill keeps no KV."""
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+    try:
+        body = {"text": "Tell me a long story", "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+        began, events = time.monotonic(), []
+        with httpx.Client(timeout=60) as http, \
+                http.stream("POST", f"{router.url}/generate", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    pair.decode.kill()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert '"error"' in events[-2], events[-3:]
+        assert time.monotonic() - began < 30
+        eventually(lambda: kv_free(pair.prefill.url))
+    finally:
+        router.stop()
