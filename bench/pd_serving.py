@@ -1,8 +1,9 @@
 """bench/pd.py's serving half: colocated `baton serve` vs `baton up` (router + 1P + 1D).
 
-Both run the builtin model with torch's default thread count per server, on this one host; the
-same streaming workload (bench/serving.py) at each concurrency. PD's KV transfer time is the
-prefill's own measurement (baton_kv_transfer_seconds on its /metrics).
+Both run the builtin model with torch's default thread count per server, on this one host, up
+at the same time; each concurrency level runs on one then the other (same streaming workload,
+bench/serving.py). PD's KV transfer time is the prefill's own measurement
+(baton_kv_transfer_seconds on its /metrics).
 """
 
 from __future__ import annotations
@@ -53,27 +54,29 @@ def transfer_seconds(prefill_url: str) -> tuple[float, int]:
     return (total / count if count else float("nan")), int(count)
 
 
-def levels(url: str, args: argparse.Namespace) -> list[LevelResult]:
-    asyncio.run(run_level(url, 1, 2, 4))  # warm-up
-    counts = [max(8, 2 * c) for c in args.concurrency]
-    return [asyncio.run(run_level(url, c, n, args.max_tokens))
-            for c, n in zip(args.concurrency, counts, strict=True)]
+def interleaved(urls: list[str], args: argparse.Namespace) -> list[list[LevelResult]]:
+    """Each concurrency level on every deployment in turn (A, B, A, B ...), so a host that
+    speeds up or slows down during the run weighs on both alike. Returns one list per URL."""
+    for url in urls:
+        asyncio.run(run_level(url, 1, 2, 4))  # warm-up
+    out: list[list[LevelResult]] = [[] for _ in urls]
+    for c in args.concurrency:
+        for i, url in enumerate(urls):
+            out[i].append(asyncio.run(run_level(url, c, max(8, 2 * c), args.max_tokens)))
+    return out
 
 
 def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     proc, url = start_server(args.model, [])
-    try:
-        colocated = levels(url, args)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as tmp:
         up, router, prefill = start_up(args, Path(tmp))
         try:
-            pd = levels(router, args)
+            colocated, pd = interleaved([url, router], args)
             mean_transfer, rooms = transfer_seconds(prefill)
         finally:
-            up.send_signal(signal.SIGTERM)
+            for p in (proc, up):
+                p.send_signal(signal.SIGTERM)
+            proc.wait(60)
             up.wait(120)
     rows = [{"concurrency": c.concurrency, "colocated": asdict(c), "pd": asdict(p),
              "ttft_p50_ratio": p.ttft_p50_ms / c.ttft_p50_ms,
