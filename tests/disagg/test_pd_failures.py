@@ -4,6 +4,7 @@ every failure ends the request with a clear error and frees its KV on both sides
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,5 +193,37 @@ def test_decode_killed_mid_stream_through_the_router(pair: Pair, tmp_path: Path)
         assert '"error"' in events[-2], events[-3:]
         assert time.monotonic() - began < 30
         eventually(lambda: kv_free(pair.prefill.url))
+    finally:
+        router.stop()
+
+
+def test_random_client_disconnects_through_the_router_leave_no_kv(pair: Pair, tmp_path: Path) -> None:
+    """40 streamed requests, half of them dropped by the client after a random number of chunks
+    (some before the first token, while their room is still being set up): afterwards both
+    pools are empty and the pair still serves."""
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+    rng = random.Random(3)
+
+    async def one(http: httpx.AsyncClient, drop_after: int | None) -> None:
+        body = {"text": "Count with me: one, two,", "stream": True,
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+        async with http.stream("POST", f"{router.url}/generate", json=body) as resp:
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: ")
+                if drop_after is not None and seen >= drop_after:
+                    return  # leaving the block closes the connection mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            plan = [rng.choice([None, 0, 1, 2, 5]) for _ in range(40)]
+            await asyncio.gather(*(one(http, d) for d in plan))
+
+    try:
+        asyncio.run(run())
+        eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url), timeout=20)
+        prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+        assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8
     finally:
         router.stop()
