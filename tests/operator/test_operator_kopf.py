@@ -15,7 +15,7 @@ from isvc_helpers import (
     isvc,
     wait_for,
 )
-from kmock_compat import EmulatedCluster
+from kmock_cluster import EmulatedCluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from isvc_helpers import NAMESPACE, REPO, SAMPLE_FILE, Cluster, wait_for
-from kmock_compat import EmulatedCluster
-from kubectl_tool import kubectl
+from kmock_cluster import EmulatedCluster
+from kubectl_tool import run_kubectl
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,14 +79,6 @@ def operator_process(applied: Cluster, tmp_path: Path) -> Iterator[subprocess.Po
         text = log.read_text()
         assert code == 0, text
         assert "Traceback" not in text, text
-
-
-def run_kubectl(*args: str, namespace: str | None = NAMESPACE) -> str:
-    scope = ["--namespace", namespace] if namespace else []
-    result = subprocess.run([str(kubectl()), *scope, *args],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    return result.stdout
 
 
 def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(
