@@ -1,4 +1,7 @@
-"""What the API server refuses on a write, for the emulated API (kmock_compat).
+"""What the API server does to a write before storing it, for the emulated API (kmock_compat).
+
+- Structural defaulting of custom resources from their CRD's schema (`default:` values of
+  missing properties, then the defaults inside them), as on every create and update.
 
 - A few of kube-apiserver's own validations, with its status codes and messages: integers
   beyond int32 in the fields the operator sets (400: the JSON cannot be decoded into the Go
@@ -11,6 +14,7 @@ Everything else is accepted: there is no OpenAPI schema validation (kubectl --va
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +50,20 @@ class Policy:
     plural: str
     denies: Callable[[Mapping[str, Any]], bool]
     message: str
+
+
+def apply_defaults(obj: Any, schema: Mapping[str, Any]) -> Any:
+    """Fill in the schema's defaults where properties are missing (in place; returns obj)."""
+    if isinstance(obj, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in obj and "default" in sub:
+                obj[key] = copy.deepcopy(sub["default"])
+            if key in obj:
+                apply_defaults(obj[key], sub)
+    elif isinstance(obj, list) and "items" in schema:
+        for item in obj:
+            apply_defaults(item, schema["items"])
+    return obj
 
 
 def check(plural: str, obj: Mapping[str, Any], policies: list[Policy]) -> None:

@@ -71,6 +71,13 @@ class EmulatedCluster:
                 if r.method.value in ("POST", "PUT", "PATCH", "DELETE")
                 and (not kinds or (r.resource is not None and r.resource.plural in kinds))]
 
+    def history(self, plural: str, namespace: str, name: str) -> list[dict[str, Any]]:
+        """Every stored version of an object, oldest first (deletions left out)."""
+        for (resource, ns, obj_name), obj in list(self._emulator.objects.items()):
+            if (resource.plural, ns, obj_name) == (plural, namespace, name):
+                return [version.raw for version in obj.history.raw if version is not None]
+        return []
+
     def rbac_decisions(self, user: str) -> list[tuple[Attributes, bool]]:
         """Every RBAC-checked request of `user`, with whether it was allowed."""
         return [(attrs, ok) for who, attrs, ok in list(self._emulator.audit) if who == user]

@@ -15,7 +15,8 @@ On top of `kmock.KubernetesEmulator` this adds:
 - server-side printing: `kubectl get` of a custom resource gets a Table with the CRD's
   printer columns, lists, single objects and watches alike (kmock_table);
 - CRDs created through the API register their resource for discovery (subresources without
-  the short names, so kubectl does not warn about ambiguous short names);
+  the short names, so kubectl does not warn about ambiguous short names); a group's preferred
+  version is its most stable, newest one, not a random one;
 - watches that honour ?resourceVersion and lose no event between snapshot and stream, sent
   as application/json; lists with kind, apiVersion and a resourceVersion; core discovery
   with groupVersion "v1";
@@ -31,6 +32,7 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -79,6 +81,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.policies: list[admission.Policy] = []
         self.audit: list[tuple[str, rbac.Attributes, bool]] = []  # RBAC-checked requests
         self.printer_columns: dict[kmock.resource, list[dict[str, Any]]] = {}
+        self.schemas: dict[kmock.resource, dict[str, Any]] = {}  # of custom resources
         # client-go (kubectl -w, --wait) rejects kmock's application/octet-stream watches.
         (self.fallback ** 1)[enums.action.WATCH] << kmock.headers(
             {"Content-Type": "application/json"}) << self._serve_watch
@@ -112,6 +115,17 @@ class Emulator(kmock.KubernetesEmulator):
             await self._collect_garbage()
         return response
 
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        """kmock puts a formatted traceback into every error's details, which made a 404 three
+        times slower than a GET; an API server's Status carries none."""
+        if isinstance(exc, kmock.KubernetesError):
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "code": exc.status, "reason": exc.reason or type(exc).__name__,
+                "message": exc.message or repr(exc), "details": exc.details or {}},
+                status=exc.status)
+        return await super()._render_error(exc)
+
     # -- authentication, authorization, admission ----------------------------------------------
 
     def _authorize(self, request: kmock.Request) -> None:
@@ -136,7 +150,9 @@ class Emulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(status=403, reason="Forbidden",
                                         message=attrs.describe(identity.user), details={})
 
-    def _admit(self, resource: kmock.resource, obj: Mapping[str, Any]) -> None:
+    def _admit(self, resource: kmock.resource, obj: dict[str, Any]) -> None:
+        if resource in self.schemas:
+            admission.apply_defaults(obj, self.schemas[resource])
         try:
             admission.check(str(resource.plural), obj, self.policies)
         except admission.Rejected as e:
@@ -154,6 +170,10 @@ class Emulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(), generation=1,
                     creationTimestamp=_now())
+        resource, info = request.resource, self._resource_info(request.resource)
+        if info.kind:  # the API server always stores (and returns) apiVersion and kind
+            body.setdefault("apiVersion", f"{resource.group}/{resource.version}".lstrip("/"))
+            body.setdefault("kind", info.kind)
         if "status" in self._resource_info(request.resource).subresources:
             body.pop("status", None)  # status is only written through its subresource
 
@@ -273,6 +293,16 @@ class Emulator(kmock.KubernetesEmulator):
                 categories=set(names.get("categories", [])), verbs=ALL_VERBS,
                 subresources=set((version.get("subresources") or {}).keys()))
             self.printer_columns[key] = list(version.get("additionalPrinterColumns") or [])
+            self.schemas[key] = (version.get("schema") or {}).get("openAPIV3Schema") or {}
+
+    async def _serve_apis(self, request: kmock.Request) -> Any:
+        result = await super()._serve_apis(request)
+        for group in result["groups"]:
+            _prefer_newest(group)
+        return result
+
+    async def _serve_group(self, request: kmock.Request) -> Any:
+        return _prefer_newest(await super()._serve_group(request))
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         result = await super()._serve_version(request)
@@ -286,13 +316,15 @@ class Emulator(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         assert request.resource is not None
         resource, info = request.resource, self._resource_info(request.resource)
+        items = sorted(result["items"], key=lambda obj: (  # etcd's key order, as listed
+            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))
         if self._table_columns(request) is not None:
-            return self._table(request, result["items"])
+            return self._table(request, items)
         kind = info.kind or str(resource.plural).capitalize()
         return {"apiVersion": f"{resource.group}/{resource.version}".lstrip("/"),
                 "kind": f"{kind}List",
                 "metadata": {"resourceVersion": self._latest_version()},
-                "items": result["items"]}
+                "items": items}
 
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         obj = await super()._serve_fetch(request)
@@ -338,6 +370,23 @@ class Emulator(kmock.KubernetesEmulator):
         if self._table_columns(request) is None:
             return event
         return {"type": event["type"], "object": self._table(request, [event["object"]])}
+
+
+def _version_priority(version: str) -> tuple[int, int, int]:
+    """Kubernetes' version order: GA before beta before alpha, higher numbers first."""
+    found = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
+    if found is None:
+        return (3, 0, 0)
+    major, level, minor = found.groups()
+    return ({None: 0, "beta": 1, "alpha": 2}[level], -int(major), -int(minor or 0))
+
+
+def _prefer_newest(group: dict[str, Any]) -> dict[str, Any]:
+    """kmock lists a group's versions in set order (random per process), so kubectl would pick
+    autoscaling/v1 or v2 by chance; the API server prefers the most stable, newest version."""
+    group["versions"].sort(key=lambda v: _version_priority(v["version"]))
+    group["preferredVersion"] = group["versions"][0]
+    return group
 
 
 def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
