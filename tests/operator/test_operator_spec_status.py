@@ -54,11 +54,24 @@ def test_defaults_match_the_crd() -> None:
     ({"autoscaling": {"router": {"min": 1, "max": 2}}}, "spec.autoscaling.router"),
     ({"autoscaling": {"decode": {"min": 1, "max": 2, "target": 150}}}, "target"),
     ({"ingress": {"className": "nginx"}}, "spec.ingress.host"),
+    ({"ingress": {"host": "Bad_Host!"}}, "spec.ingress.host"),
+    ({"ingress": {"host": "a..b"}}, "spec.ingress.host"),
+    ({"decode": {"replicas": 2**31}}, "spec.decode.replicas"),
+    ({"router": {"replicas": 2**31}}, "spec.router.replicas"),
+    ({"autoscaling": {"decode": {"min": 1, "max": 2**31}}}, "spec.autoscaling.decode.max"),
+    ({"model": {"uri": "hf://o/n", "tokenSecretRef": {"name": "a..b"}}}, "tokenSecretRef.name"),
 ])
 def test_specs_that_can_never_work_are_rejected_with_the_field(spec: dict[str, Any],
                                                                field: str) -> None:
     with pytest.raises(InvalidSpec, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_service(body(**spec))
+
+
+def test_hostnames_and_the_largest_replica_count_are_accepted() -> None:
+    svc = parse_service(body(ingress={"host": "*.llm.example.com"},
+                             decode={"replicas": 2**31 - 1}))
+    assert svc.ingress is not None and svc.ingress.host == "*.llm.example.com"
+    assert svc.decode.replicas == 2**31 - 1
 
 
 def test_names_too_long_for_child_services_are_rejected() -> None:
