@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import yaml
 from baton_operator.manifests import CHART_DIR, MANIFESTS_DIR
@@ -32,3 +33,21 @@ def validate_builtin(obj: dict[str, Any]) -> None:
                 f"{obj['kind']} {obj['metadata']['name']} invalid for Kubernetes {version} "
                 f"at {path or '/'}: {err.message}"
             ) from None
+
+
+def errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """'path: message' for every schema violation of obj."""
+    validator = jsonschema.Draft7Validator(schema)
+    return sorted(
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(obj)
+    )
+
+
+def isvc(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "x"},
+        "spec": spec,
+    }

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
 from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl
+from kubectl_tool import run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -44,6 +44,8 @@ def test_an_unowned_object_is_a_name_conflict_until_it_is_deleted(
         assert status["phase"] == "Failed"
         assert status["decode"]["readyReplicas"] == 0, "the squatter's pods are not ours"
         wait_for(lambda: ("Deployment", "llm-router") in cluster.children(), 10, "the rest")
+        row = table_cells(run_kubectl("get", "bisvc", "llm"))[0]
+        assert (row["READY"], row["REASON"], row["PHASE"]) == ("False", "NameConflict", "Failed")
         time.sleep(1.0)  # passes keep running (child events): still no write to the squatter
         mine = cluster.child("Deployment", "llm-decode") or {}
         assert mine["metadata"]["resourceVersion"] == before.metadata.resource_version

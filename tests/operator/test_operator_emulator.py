@@ -11,9 +11,10 @@ from typing import Any
 
 import kubernetes
 import pytest
-from isvc_helpers import Cluster, isvc
+import yaml
+from isvc_helpers import CRD_FILE, Cluster, isvc
 from kmock_cluster import EmulatedCluster
-from kubectl_tool import kubectl, run_kubectl
+from kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,3 +173,25 @@ def test_rbac_decides_for_service_accounts(emulated: EmulatedCluster,
         "system:serviceaccount:ops:bot")}
     assert {("get", "deployments", True), ("patch", "deployments/scale", True),
             ("delete", "deployments", False)} <= decisions
+
+
+def test_custom_resources_print_their_columns_as_kube_apiserver_does(cluster: Cluster) -> None:
+    """`kubectl get` receives a Table; every cell equals what kubectl's own JSONPath engine
+    finds with the column's jsonPath (so the emulator's JSONPath agrees with client-go's)."""
+    cluster.create(isvc("x", ingress={"host": "x.example.com"}))
+    status = {"phase": "Progressing", "url": "http://x.example.com",
+              "prefill": {"readyReplicas": 1, "desiredReplicas": 1},
+              "conditions": [{"type": "Progressing", "status": "True", "reason": "RollingOut"},
+                             {"type": "Ready", "status": "False", "reason": "PodsNotReady"}]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        "baton.dev", "v1alpha1", "serving", "inferenceservices", "x", {"status": status})
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    cells = table_cells(run_kubectl("get", "bisvc", "x", "-o", "wide"))[0]
+    assert list(cells) == ["NAME", *(c["name"].upper() for c in columns)]
+    for column in columns:
+        if column["type"] != "date":
+            expected = run_kubectl("get", "bisvc", "x", "-o", f"jsonpath={{{column['jsonPath']}}}")
+            assert cells[column["name"].upper()] == expected, column["name"]
+    assert "PodsNotReady" in cells.values() and "http://x.example.com" in cells.values()
+    assert run_kubectl("get", "bisvc", "-o", "name") == "inferenceservice.baton.dev/x\n"
