@@ -45,13 +45,6 @@ class Gates:
                 gate.waiting -= 1
             yield True
 
-    def forget(self, key: Key) -> None:
-        """Drop the gate of a deleted service (a later pass makes a new one)."""
-        with self._guard:
-            gate = self._gates.get(key)
-            if gate is not None and gate.waiting == 0 and not gate.lock.locked():
-                del self._gates[key]
-
 
 class Claims:
     """Child names a service wants while another object holds them (a NameConflict): an event

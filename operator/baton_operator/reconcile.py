@@ -8,7 +8,7 @@ depends only on the cluster's state, whichever handler runs it and however often
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,6 @@ class StatusChange:
 class PassResult:
     """What one pass did and found."""
 
-    svc: InferenceService | None = None
     invalid: str | None = None  # the spec itself can never work
     changes: list[Change] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
@@ -76,36 +75,41 @@ def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy) -> PassResu
 def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> PassResult:
     """Create or restore every wanted child we may write; delete optional ones we own and no
     longer want. Conflicts and rejections are collected; other API errors propagate."""
-    result = PassResult(svc=svc)
+    result = PassResult()
     children = build_children(svc)
 
     def untrusted(live: Mapping[str, Any]) -> bool:
         return live.get("kind") == "Deployment" and breaks_policy(live, policy)
 
     for child in children:
-        kind, name = child["kind"], child["metadata"]["name"]
-        try:
-            applied = apply(kube, child, svc.uid, untrusted)
-        except NameConflict as e:
-            result.problems.append(Problem("NameConflict", str(e)))
-            result.conflicts.append((child["apiVersion"], kind, name))
-            continue
-        except ApiError as e:
-            if e.status not in REJECTED:
-                raise
-            result.problems.append(Problem(
-                "InvalidSpec", f"the API server rejected {kind} {name}: {e.message}"))
-            continue
-        if kind == "Deployment":
-            result.deployments[name] = applied.live
-        if applied.outcome != "unchanged":
-            result.changes.append(Change(kind, name, applied.outcome, applied.describe()))
+        _apply_child(kube, child, svc, untrusted, result)
     wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
     for api_version, kind, name in optional_children(svc):
         if (api_version, kind, name) not in wanted and delete_owned(
                 kube, api_version, kind, svc.namespace, name, svc.uid):
             result.changes.append(Change(kind, name, "deleted"))
     return result
+
+
+def _apply_child(kube: Kube, child: Mapping[str, Any], svc: InferenceService,
+                 untrusted: Callable[[Mapping[str, Any]], bool], result: PassResult) -> None:
+    kind, name = child["kind"], child["metadata"]["name"]
+    try:
+        applied = apply(kube, child, svc.uid, untrusted)
+    except NameConflict as e:
+        result.problems.append(Problem("NameConflict", str(e)))
+        result.conflicts.append((child["apiVersion"], kind, name))
+        return
+    except ApiError as e:
+        if e.status not in REJECTED:
+            raise
+        result.problems.append(Problem(
+            "InvalidSpec", f"the API server rejected {kind} {name}: {e.message}"))
+        return
+    if kind == "Deployment":
+        result.deployments[name] = applied.live
+    if applied.outcome != "unchanged":
+        result.changes.append(Change(kind, name, applied.outcome, applied.describe()))
 
 
 def publish_status(kube: Kube, body: Mapping[str, Any], svc: InferenceService,

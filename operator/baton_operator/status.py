@@ -95,18 +95,20 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
     summary = ", ".join(pool.describe() for pool in pools.values())
     failures = [f"{p.role}: {p.failure}" for p in pools.values() if p.failure]
     ready, reason = _overall(pools)
+    ready_condition = _condition("Ready", ready, reason, summary)
+    progressing = _progressing(pools, failures, summary)
+    if problems:  # the children cannot converge: that, not the pools, is the answer
+        message = "; ".join(p.message for p in problems)
+        ready_condition = _condition("Ready", False, problems[0].reason, message)
+        progressing = _condition("Progressing", False, problems[0].reason, message)
     fresh = [
-        _condition("Ready", ready, reason, summary),
+        ready_condition,
         *(_condition(f"{role.capitalize()}Ready", pool.available, pool.reason, pool.describe())
           for role, pool in pools.items()),
-        _progressing(pools, failures, summary),
+        progressing,
         _condition("Degraded", bool(failures), "RolloutFailed" if failures else "AsExpected",
                    "; ".join(failures) or "no pool reports a failed rollout"),
     ]
-    if problems:
-        message = "; ".join(p.message for p in problems)
-        fresh[0] = _condition("Ready", False, problems[0].reason, message)
-        fresh[4] = _condition("Progressing", False, problems[0].reason, message)
     return {
         "phase": _phase(pools, ready, bool(problems), bool(failures)),
         "observedGeneration": observed_generation,

@@ -1,30 +1,25 @@
 """An emulated Kubernetes API for the operator tests: kmock 0.8 plus what `kopf run` and
 `kubectl` need from a real API server (../shared/ENVIRONMENT.md lists the gaps).
 
-On top of `kmock.KubernetesEmulator` this adds:
+On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this adds:
 - object bookkeeping: uid, resourceVersion, generation (bumped on spec changes),
-  creationTimestamp, generateName;
+  creationTimestamp, generateName, apiVersion and kind;
 - PATCH as the API server does it: JSON patch (a failed `test` is 422), merge patch, strategic
   merge patch (kmock_patch), the `status` subresource (status-only) vs. the main resource
   (status ignored), the `scale` subresource of Deployments (an autoscaling/v1 Scale, as
   `kubectl scale` uses it), optimistic concurrency on metadata.resourceVersion, and no-op
   patches that change nothing at all;
-- writes the API server refuses (kmock_admission): int32 overflows (400), invalid Ingress
-  hosts and names (422), and admission policies installed by a test (422);
+- what the API server does to a write (kmock_admission): a custom resource's schema
+  defaults; int32 overflows (400), invalid Ingress hosts and names (422), admission
+  policies installed by a test (422);
 - authentication by bearer token and RBAC from the stored Roles and bindings (kmock_rbac);
-- server-side printing: `kubectl get` of a custom resource gets a Table with the CRD's
-  printer columns, lists, single objects and watches alike (kmock_table);
-- CRDs created through the API register their resource for discovery (subresources without
-  the short names, so kubectl does not warn about ambiguous short names); a group's preferred
-  version is its most stable, newest one, not a random one;
-- watches that honour ?resourceVersion and lose no event between snapshot and stream, sent
-  as application/json; lists with kind, apiVersion and a resourceVersion; core discovery
-  with groupVersion "v1";
+- CRDs created through the API registered for discovery, Tables, lists and watches as the
+  API server serves them (kmock_reads, kmock_table);
 - owner-reference garbage collection (immediate) like kube-controller-manager;
 - injected faults (503 for the next N requests of a method on a resource);
 - /api/v1/namespaces parsed as the cluster-scoped resource it is (kopf's namespace scanning).
-Still absent: label/field selectors, PUT, OpenAPI schema validation and defaulting, CEL
-validation rules, protobuf.
+Still absent: label/field selectors, PUT, server-side apply, OpenAPI schema validation, CEL
+validation rules, defaulting of built-in kinds, protobuf.
 """
 
 from __future__ import annotations
@@ -32,10 +27,9 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
-import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp.web
@@ -44,9 +38,9 @@ import jsonpointer
 import kmock
 import kmock_admission as admission
 import kmock_rbac as rbac
-import kmock_table
 from kmock._internal import enums, parsing
 from kmock_patch import merge_patch, strategic_merge_patch
+from kmock_reads import ReadingEmulator
 
 _kmock_parse_path = parsing.parse_path
 
@@ -65,7 +59,6 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 parsing.parse_path = _parse_path  # kmock's request parser looks it up on the module
 CRD = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
-ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 RBAC_PLURALS = ("roles", "clusterroles", "rolebindings", "clusterrolebindings")
 
 
@@ -73,18 +66,13 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class Emulator(kmock.KubernetesEmulator):
+class Emulator(ReadingEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
         self.faults: dict[tuple[str, str], int] = {}  # (method, plural) -> failures left
         self.policies: list[admission.Policy] = []
         self.audit: list[tuple[str, rbac.Attributes, bool]] = []  # RBAC-checked requests
-        self.printer_columns: dict[kmock.resource, list[dict[str, Any]]] = {}
-        self.schemas: dict[kmock.resource, dict[str, Any]] = {}  # of custom resources
-        # client-go (kubectl -w, --wait) rejects kmock's application/octet-stream watches.
-        (self.fallback ** 1)[enums.action.WATCH] << kmock.headers(
-            {"Content-Type": "application/json"}) << self._serve_watch
 
     def _next_version(self) -> str:
         return str(next(self._versions))
@@ -274,119 +262,6 @@ class Emulator(kmock.KubernetesEmulator):
                         await self._buses[resource].put({"type": "DELETED", "object": raw})
             if not orphans:
                 return
-
-    # -- discovery ---------------------------------------------------------------------------
-
-    def _resource_info(self, resource: kmock.resource | None) -> kmock.ResourceInfo:
-        if resource is not None and resource in self.resources:
-            return self.resources[resource]
-        return kmock.ResourceInfo()
-
-    def _register_crd(self, crd: Mapping[str, Any]) -> None:
-        spec, names = crd["spec"], crd["spec"]["names"]
-        for version in spec.get("versions", []):
-            key = kmock.resource(spec["group"], version["name"], names["plural"])
-            self.resources[key] = kmock.ResourceInfo(
-                kind=names["kind"], singular=names.get("singular"),
-                namespaced=spec.get("scope") == "Namespaced",
-                shortnames=set(names.get("shortNames", [])),
-                categories=set(names.get("categories", [])), verbs=ALL_VERBS,
-                subresources=set((version.get("subresources") or {}).keys()))
-            self.printer_columns[key] = list(version.get("additionalPrinterColumns") or [])
-            self.schemas[key] = (version.get("schema") or {}).get("openAPIV3Schema") or {}
-
-    async def _serve_apis(self, request: kmock.Request) -> Any:
-        result = await super()._serve_apis(request)
-        for group in result["groups"]:
-            _prefer_newest(group)
-        return result
-
-    async def _serve_group(self, request: kmock.Request) -> Any:
-        return _prefer_newest(await super()._serve_group(request))
-
-    async def _serve_version(self, request: kmock.Request) -> Any:
-        result = await super()._serve_version(request)
-        result["groupVersion"] = result["groupVersion"].lstrip("/")  # "v1", not "/v1"
-        for entry in result["resources"]:
-            if "/" in entry["name"]:  # a subresource answers to no short name or category
-                entry.update(shortNames=[], categories=[])
-        return result
-
-    async def _serve_list(self, request: kmock.Request) -> Any:
-        result = await super()._serve_list(request)
-        assert request.resource is not None
-        resource, info = request.resource, self._resource_info(request.resource)
-        items = sorted(result["items"], key=lambda obj: (  # etcd's key order, as listed
-            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))
-        if self._table_columns(request) is not None:
-            return self._table(request, items)
-        kind = info.kind or str(resource.plural).capitalize()
-        return {"apiVersion": f"{resource.group}/{resource.version}".lstrip("/"),
-                "kind": f"{kind}List",
-                "metadata": {"resourceVersion": self._latest_version()},
-                "items": items}
-
-    async def _serve_fetch(self, request: kmock.Request) -> Any:
-        obj = await super()._serve_fetch(request)
-        return obj if self._table_columns(request) is None else self._table(request, [obj])
-
-    def _table_columns(self, request: kmock.Request) -> list[dict[str, Any]] | None:
-        if not kmock_table.wants_table(request.headers.get("Accept", "")):
-            return None
-        return self.printer_columns.get(request.resource) if request.resource else None
-
-    def _table(self, request: kmock.Request, objects: list[Any], headers: bool = True) -> Any:
-        columns = self._table_columns(request) or []
-        return kmock_table.table(objects, columns, request.params.get("includeObject", "Metadata"),
-                                 self._latest_version(), headers)
-
-    def _latest_version(self) -> str:
-        versions = [int(obj.raw["metadata"].get("resourceVersion", 0))
-                    for obj in self.objects.values() if not obj.deleted]
-        return str(max(versions, default=0))
-
-    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        """Existing objects newer than ?resourceVersion as ADDED, then every later event.
-
-        The bus is marked under the same lock as the snapshot, so nothing falls between."""
-        yield b""
-        assert request.resource is not None
-        since = request.params.get("resourceVersion", "")
-        async with self._lock:
-            mark = await self._buses[request.resource].mark()
-            objects = [obj.raw for obj in self._KubernetesEmulator__get_objs(request, strict=False)
-                       if not obj.deleted]
-        for obj in objects:
-            version = obj.get("metadata", {}).get("resourceVersion", "0")
-            if not (since.isdigit() and int(version) <= int(since)):
-                yield self._watch_event(request, {"type": "ADDED", "object": obj})
-        async for event in mark:
-            meta = event.get("object", {}).get("metadata", {})
-            if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"),
-                                               meta.get("name"), strict=False):
-                yield self._watch_event(request, event)
-
-    def _watch_event(self, request: kmock.Request, event: dict[str, Any]) -> dict[str, Any]:
-        if self._table_columns(request) is None:
-            return event
-        return {"type": event["type"], "object": self._table(request, [event["object"]])}
-
-
-def _version_priority(version: str) -> tuple[int, int, int]:
-    """Kubernetes' version order: GA before beta before alpha, higher numbers first."""
-    found = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
-    if found is None:
-        return (3, 0, 0)
-    major, level, minor = found.groups()
-    return ({None: 0, "beta": 1, "alpha": 2}[level], -int(major), -int(minor or 0))
-
-
-def _prefer_newest(group: dict[str, Any]) -> dict[str, Any]:
-    """kmock lists a group's versions in set order (random per process), so kubectl would pick
-    autoscaling/v1 or v2 by chance; the API server prefers the most stable, newest version."""
-    group["versions"].sort(key=lambda v: _version_priority(v["version"]))
-    group["preferredVersion"] = group["versions"][0]
-    return group
 
 
 def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
