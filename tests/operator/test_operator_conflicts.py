@@ -50,6 +50,8 @@ def test_an_unowned_object_is_a_name_conflict_until_it_is_deleted(
         mine = cluster.child("Deployment", "llm-decode") or {}
         assert mine["metadata"]["resourceVersion"] == before.metadata.resource_version
         assert writes_to(emulated, "/deployments/llm-decode") == []
+        wait_for(lambda: any(e["reason"] == "NameConflict" for e in cluster.events()), 10,
+                 "a NameConflict event")
         warnings = [e for e in cluster.events() if e["reason"] == "NameConflict"]
         assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
 

@@ -37,9 +37,10 @@ def test_watch_shows_the_phases_and_progress_is_normal(cluster: Cluster,
         finally:
             watch.terminate()
         output = watch.communicate(timeout=10)[0]
-        events = wait_for(lambda: sorted((e["type"], e["reason"]) for e in cluster.events()
-                                         if e["reason"] in ("Updating", "Ready")) or None,
-                          10, "events")
+        wait_for(lambda: {"Updating", "Ready"} <= {e["reason"] for e in cluster.events()}, 10,
+                 "the Updating and Ready events")
+        events = sorted((e["type"], e["reason"]) for e in cluster.events()
+                        if e["reason"] in ("Updating", "Ready"))
         assert events == [("Normal", "Ready"), ("Normal", "Updating")]
         assert not [e for e in cluster.events() if e["type"] != "Normal"]
         seen = [tok for line in output.splitlines()[1:] for tok in line.split() if tok in PHASES]
