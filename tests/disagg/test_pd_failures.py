@@ -22,9 +22,26 @@ FAST = ("--bootstrap-timeout-s", "3", "--waiting-timeout-s", "6", "--heartbeat-i
 
 @pytest.fixture
 def pair(tiny_path: Path, tmp_path: Path) -> Iterator[Pair]:
+    """A pair of its own, for a test that kills one of them."""
     p = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path))
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """One pair for the tests that leave it serving with empty pools (each checks that)."""
+    p = start_pair(tmp_path_factory.mktemp("shared"), "tcp", *FAST, model=str(tiny_path))
+    yield p
+    p.stop()
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of a worker's /metrics (0 when it is not there yet)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def gen_body(pair: Pair, room: int | None = None, max_new: int = 8, **kw: Any) -> dict[str, Any]:
@@ -43,7 +60,9 @@ def eventually(check: Any, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(pair: Pair) -> None:
+def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) -> None:
+    pair = shared
+    transfers = [metric(srv.url, "baton_kv_transfers_total") for srv in (pair.prefill, pair.decode)]
     prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
     assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8
     for srv in (pair.prefill, pair.decode):
@@ -78,8 +97,8 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(pair: Pair) ->
             return [again, await first, done]
     again, first, done = asyncio.run(twice())
     assert again.status_code == 409 and first.status_code == 200 and done.status_code == 200
-    for srv in (pair.prefill, pair.decode):
-        assert "baton_kv_transfers_total 4.0" in httpx.get(f"{srv.url}/metrics").text
+    for srv, before in zip((pair.prefill, pair.decode), transfers, strict=True):
+        assert metric(srv.url, "baton_kv_transfers_total") == before + 4
 
 
 async def _one(pair: Pair, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
@@ -87,15 +106,16 @@ async def _one(pair: Pair, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
         return await pd_call(http, pair, "/generate", body)
 
 
-def test_decode_that_never_shows_up_frees_the_room(pair: Pair) -> None:
+def test_decode_that_never_shows_up_frees_the_room(shared: Pair) -> None:
+    pair, timeouts = shared, 'baton_kv_transfer_failures_total{reason="bootstrap_timeout"}'
+    before = metric(shared.prefill.url, timeouts)
     began = time.monotonic()
     r = httpx.post(f"{pair.prefill.url}/generate", json=gen_body(pair), timeout=30)
     assert r.status_code == 502, r.text
     assert "no decode server asked for room" in r.json()["error"]["message"]
     assert 2.5 < time.monotonic() - began < 10
     assert kv_free(pair.prefill.url)
-    metrics = httpx.get(f"{pair.prefill.url}/metrics").text
-    assert 'baton_kv_transfer_failures_total{reason="bootstrap_timeout"} 1.0' in metrics
+    assert metric(pair.prefill.url, timeouts) == before + 1
 
 
 def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
@@ -141,7 +161,8 @@ def test_decode_killed_prefill_frees_its_pages(pair: Pair) -> None:
     eventually(lambda: kv_free(pair.prefill.url))
 
 
-def test_client_abort_on_decode_cancels_the_room_everywhere(pair: Pair) -> None:
+def test_client_abort_on_decode_cancels_the_room_everywhere(shared: Pair) -> None:
+    pair = shared
     body = gen_body(pair)
 
     async def abort_waiting() -> tuple[httpx.Response, httpx.Response]:
@@ -197,10 +218,11 @@ def test_decode_killed_mid_stream_through_the_router(pair: Pair, tmp_path: Path)
         router.stop()
 
 
-def test_random_client_disconnects_through_the_router_leave_no_kv(pair: Pair, tmp_path: Path) -> None:
+def test_random_client_disconnects_through_the_router_leave_no_kv(shared: Pair, tmp_path: Path) -> None:
     """40 streamed requests, half of them dropped by the client after a random number of chunks
     (some before the first token, while their room is still being set up): afterwards both
     pools are empty and the pair still serves."""
+    pair = shared
     router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
                           "--decode", pair.decode.url, log_path=tmp_path / "router.log")
     rng = random.Random(3)
