@@ -44,9 +44,10 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
-    from runtime.engine.engine import load_tokenizer
+    """transformers' own tokenizer: the reference the servers' outputs are checked against."""
+    from transformers import AutoTokenizer
 
-    return load_tokenizer(model_path)
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ own process and feeds it over ZMQ; both produce the same tokens.
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from runtime.messages import ReqOutput
 from runtime.scheduler.req import Req
 from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.scheduler import Scheduler
+from runtime.tokenizer import load_tokenizer
 
 
 def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerConfig]:
@@ -31,13 +31,6 @@ def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerCo
     engine = EngineConfig(**{k: v for k, v in kwargs.items() if k in engine_fields})
     sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_fields})
     return engine, sched
-
-
-def load_tokenizer(path: os.PathLike[str] | str) -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def tail_decoder(tokenizer: Any) -> Callable[[list[int]], str]:

@@ -69,10 +69,11 @@ class WakePipe:
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], send: zmq.Socket[bytes]) -> None:
-        from runtime.engine.engine import load_tokenizer, tail_decoder
+        from runtime.engine.engine import tail_decoder
         from runtime.engine.model_runner import ModelRunner
         from runtime.scheduler.scheduler import Scheduler
         from runtime.scheduler.streamer import OutputStreamer
+        from runtime.tokenizer import load_tokenizer
 
         self.recv, self.send = recv, send
         sched_cfg = args.scheduler

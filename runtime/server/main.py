@@ -55,9 +55,9 @@ def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
 
 
 def _serve(args: ServerArgs, ipc_dir: str) -> int:
-    from runtime.engine.engine import load_tokenizer
     from runtime.models.prepare import resolve_model_path
     from runtime.server.app import create_app
+    from runtime.tokenizer import load_tokenizer
 
     model_path = resolve_model_path(args.model)
     tm = TokenizerManager(args, None, ipc_dir, Metrics())

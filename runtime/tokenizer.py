@@ -1,0 +1,115 @@
+"""The model's tokenizer without transformers: tokenizer.json through `tokenizers`, the chat
+template through jinja2.
+
+`transformers.AutoTokenizer` costs every process that loads it 3-5 s of imports (the HTTP
+process and the scheduler both do, for every server, pod and test); this reads the same files
+and does what transformers does with them for the calls baton makes (encode, decode,
+convert_ids_to_tokens, apply_chat_template). tests/test_tokenizer.py holds it equal to
+AutoTokenizer on the builtin model. A folder this does not understand (no tokenizer.json, or
+tokenizer_config.json flags that change the post-processor) is loaded with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _Backend
+
+# tokenizer_config.json keys that make transformers rewrite tokenizer.json's post-processor
+_REWRITES = ("add_bos_token", "add_eos_token")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                 "mask_token")
+# transformers' clean_up_tokenization: spaces before punctuation and English contractions
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", "lstrip": ..., ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(self, folder: Path) -> None:
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        self.backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k)))}
+        template_file = folder / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.exists() else config.get("chat_template")
+        )
+        self._render: Callable[..., str] | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.backend.token_to_id(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        if self.clean_up_spaces:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        token: str | None = self.backend.id_to_token(token_id)
+        return token
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tokenize: bool = False,
+        add_generation_prompt: bool = False, **extra: Any,
+    ) -> str | list[int]:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._render is None:
+            self._render = _compile(self.chat_template)
+        text = self._render(messages=messages, add_generation_prompt=add_generation_prompt,
+                            **self.special_tokens, **extra)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _compile(template: str) -> Callable[..., str]:
+    """A chat template in the sandboxed jinja2 environment transformers renders them in."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        from jinja2.exceptions import TemplateError
+
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render
+
+
+def load_tokenizer(path: os.PathLike[str] | str) -> Any:
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if (folder / "tokenizer.json").exists() and not any(k in config for k in _REWRITES):
+        return Tokenizer(folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
