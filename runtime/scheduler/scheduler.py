@@ -115,6 +115,10 @@ class Scheduler:
             )
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.runner.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {self.runner.vocab_size})", "input_ids")
+        bias = req.sampling_params.logit_bias
+        if bias and bias[-1][0] >= self.runner.vocab_size:  # sorted: the last id is the largest
+            raise InvalidRequest(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
+                                 f"[0, {self.runner.vocab_size})", "logit_bias")
         need = min(n + req.sampling_params.max_new_tokens, self.runner.context_len)
         capacity = self.kv.allocator.num_pages * self.kv.page_size
         if need > capacity:
