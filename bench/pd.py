@@ -130,7 +130,7 @@ def cma_bench(nbytes: int, reps: int) -> float:
     import numpy as np
 
     class Iovec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]  # noqa: RUF012
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
     libc = ctypes.CDLL(None, use_errno=True)
     parent, child = mp.get_context("spawn").Pipe()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from tests.engine.hf_reference import Reference
 from tests.server.server_process import ServerProcess, start_server
 
 
@@ -53,3 +55,18 @@ def tiny_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     from tests.disagg.pd import tiny_model
 
     return tiny_model(model_path, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer: Any) -> list[list[int]]:
+    from tests.engine.hf_reference import PROMPTS
+
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_refs(model_path: Path, prompt_ids: list[list[int]]) -> list[Reference]:
+    """HF transformers' greedy output (with top-2 gaps) for PROMPTS: the token-exact reference."""
+    from tests.engine.hf_reference import MAX_NEW, hf_greedy
+
+    return hf_greedy(model_path, prompt_ids, MAX_NEW)

@@ -30,7 +30,7 @@ from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, RoomDone, RoomFailed, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
@@ -95,7 +95,7 @@ class DecodeRole(Generic[R]):
             self._prefill_gone(addr, touched)
         for r in list(self.rooms.values()):
             self._advance(r, touched)
-        self._count_rooms()
+        self.stats.rooms = count_states(r.room for r in self.rooms.values())
         return touched
 
     def _take_frames(self, touched: list[R]) -> None:
@@ -121,7 +121,9 @@ class DecodeRole(Generic[R]):
             if r is None or r.room.state.terminal:
                 self.prealloc.popleft()
                 continue
-            if not self.scheduler.can_reserve(r.req):
+            incoming = [x.req for x in self.rooms.values()
+                        if x.fence is not None and not x.room.state.terminal]
+            if not self.scheduler.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
             r.fence = self.scheduler.kv_fence()
@@ -233,12 +235,6 @@ class DecodeRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
-
-    def _count_rooms(self) -> None:
-        counts: dict[str, int] = {}
-        for r in self.rooms.values():
-            counts[r.room.state.value] = counts.get(r.room.state.value, 0) + 1
-        self.stats.rooms = counts
 
     def close(self) -> None:
         self.receiver.close()

@@ -6,6 +6,7 @@ scheduler -> disagg); the scheduler's Req and Scheduler satisfy them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeVar
 
 from runtime.kvcache.manager import KVHolder
@@ -50,7 +51,7 @@ class SchedulerPort(Protocol[R]):
 
     def process_prebuilt(self, reqs: list[R]) -> list[R]: ...
 
-    def can_reserve(self, req: R) -> bool: ...
+    def can_reserve(self, req: R, incoming: Sequence[R] = ()) -> bool: ...
 
     def kv_fence(self) -> int: ...
 

@@ -26,7 +26,7 @@ from typing import Any, Generic
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, KVLayout, PeerRegistration, RoomRequest
@@ -85,8 +85,15 @@ class PrefillRole(Generic[R]):
             raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
                                f"the decode server expects {peer.backend!r} (--kv-transfer)")
         self.transfer.connect(peer.decode_id, peer.backend_info)
+        address = (peer.receiver_host, peer.receiver_port)
         with self.lock:
+            stale = [d for d, p in self.peers.items()  # a decode restarted on the same address
+                     if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id]
+            for decode_id in stale:
+                del self.peers[decode_id]
             self.peers[peer.decode_id] = peer
+        for decode_id in stale:
+            self.transfer.forget(decode_id)
         log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
                  peer.receiver_host, peer.receiver_port)
         return self.transfer.local_info()
@@ -143,7 +150,7 @@ class PrefillRole(Generic[R]):
             self.cancelled = {k: t for k, t in self.cancelled.items() if t > horizon}
         for r in rooms:
             self._advance(r, touched)
-        self._count_rooms()
+        self.stats.rooms = count_states(r.room for r in self.rooms.values())
         return touched
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
@@ -258,12 +265,6 @@ class PrefillRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
-
-    def _count_rooms(self) -> None:
-        counts: dict[str, int] = {}
-        for r in self.rooms.values():
-            counts[r.room.state.value] = counts.get(r.room.state.value, 0) + 1
-        self.stats.rooms = counts
 
     def close(self) -> None:
         if self.bootstrap is not None:

@@ -8,8 +8,12 @@ undone by a late error).
 from __future__ import annotations
 
 import enum
+import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 class RoomState(enum.Enum):
@@ -49,6 +53,7 @@ class Room:
         if self.state.terminal:
             return False
         self.state, self.since = state, time.monotonic()
+        log.debug("room %d: %s at +%.1f ms", self.room, state.value, 1e3 * (self.since - self.created))
         return True
 
     def fail(self, reason: str) -> bool:
@@ -59,3 +64,11 @@ class Room:
 
     def waited(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.since
+
+
+def count_states(rooms: Iterable[Room]) -> dict[str, int]:
+    """How many rooms are in each state (for the rooms-by-state gauge)."""
+    counts: dict[str, int] = {}
+    for room in rooms:
+        counts[room.state.value] = counts.get(room.state.value, 0) + 1
+    return counts

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from runtime.config import EngineConfig, SchedulerConfig
@@ -39,6 +40,15 @@ def load_tokenizer(path: os.PathLike[str] | str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def tail_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """The text of a few output ids, special tokens kept: what stop strings are matched on."""
+
+    def decode_tail(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    return decode_tail
+
+
 class Engine:
     """Not thread-safe: one generate() at a time."""
 
@@ -46,10 +56,7 @@ class Engine:
         engine_cfg, sched_cfg = split_engine_args({"model": model, **engine_args})
         self.runner = ModelRunner(engine_cfg, sched_cfg.max_running_requests)
         self.tokenizer = load_tokenizer(self.runner.model_path)
-        self.scheduler = Scheduler(sched_cfg, self.runner, decode_tail=self._decode_tail)
-
-    def _decode_tail(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        self.scheduler = Scheduler(sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer))
 
     def generate(
         self,

@@ -31,10 +31,6 @@ class KVCacheManager:
     def pages_needed(self, req: KVHolder, new_len: int) -> int:
         return max(0, self.allocator.pages_for(new_len) - len(req.kv_pages))
 
-    def can_grow(self, reqs: list[KVHolder], new_lens: list[int]) -> bool:
-        need = sum(self.pages_needed(r, n) for r, n in zip(reqs, new_lens, strict=True))
-        return need <= self.allocator.available_pages
-
     def grow(self, req: KVHolder, new_len: int) -> torch.Tensor:
         """Give `req` slots for positions [req.kv_len, new_len); return those slots ([n] int64)."""
         if req.req_pool_idx is None:

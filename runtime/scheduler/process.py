@@ -68,7 +68,7 @@ class WakePipe:
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], send: zmq.Socket[bytes]) -> None:
-        from runtime.engine.engine import load_tokenizer
+        from runtime.engine.engine import load_tokenizer, tail_decoder
         from runtime.engine.model_runner import ModelRunner
         from runtime.scheduler.scheduler import Scheduler
         from runtime.scheduler.streamer import OutputStreamer
@@ -79,7 +79,7 @@ class SchedulerLoop:
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(
-            sched_cfg, self.runner, decode_tail=self._decode_tail, streamer=self.streamer
+            sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer), streamer=self.streamer
         )
         self.args = args
         self.wakeup = WakePipe()
@@ -92,9 +92,6 @@ class SchedulerLoop:
         self.last_stats: SchedulerStats | None = None
         self.parent_pid = os.getppid()
         self.stopping = False
-
-    def _decode_tail(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     # ---- start-up ---------------------------------------------------------------------------
     def warm_up(self) -> None:

@@ -10,60 +10,26 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.config import SchedulerConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
-from runtime.kvcache.manager import KVCacheManager
+from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.messages import ReqOutput
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.prefill import PrefillAdder, decode_reserve_tokens
 from runtime.scheduler.req import FinishReason, Req
+from runtime.scheduler.runner import Handoff, Launched, Runner
 from runtime.scheduler.sampling_params import InvalidRequest
 from runtime.scheduler.streamer import OutputStreamer
 
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT_S = 600.0  # one forward pass taking longer than this is a hang, not work
-
-
-class Runner(Protocol):
-    kv: KVCacheManager
-    context_len: int
-    eos_token_ids: tuple[int, ...]
-    needs_request_ids: bool  # the sampler keys on rid / bootstrap room (seed 002)
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
-
-
-class Handoff(Protocol):
-    """Where requests go once their prompt is fully prefilled, instead of the decode batch.
-
-    The prefill role's in-flight transfer queue: it receives each request as soon as its last
-    prompt chunk is launched (in overlap mode possibly before that forward finished; the
-    request's first output token appears when it has) and from then on owns it and its KV."""
-
-    def take(self, req: Req) -> None: ...
-
-
-@dataclass
-class Launched:
-    """A forward in flight and what processing its result needs (a snapshot, not the batch)."""
-
-    reqs: list[Req]
-    mode: ForwardMode
-    is_last_chunk: list[bool]
-    result: Future[ForwardOutput]
 
 
 class Scheduler:
@@ -128,17 +94,18 @@ class Scheduler:
                 "max_new_tokens",
             )
 
-    def can_reserve(self, req: Req) -> bool:
-        """Decode role: is there room for `req`'s prompt KV (arriving by transfer) while keeping
-        the running requests' decode reserve, and a request slot? Alone, it only needs to fit."""
+    def can_reserve(self, req: Req, incoming: Sequence[Req] = ()) -> bool:
+        """Decode role: is there room for `req`'s prompt KV (arriving by transfer) and a request
+        slot, keeping the decode reserve of the running requests, of `incoming` (prompt pages
+        taken already, KV on its way) and of `req`? Alone, it only needs to fit."""
         alloc = self.kv.allocator
         if self.kv.req_to_token.available == 0:
             return False
         prompt = alloc.pages_for(len(req.origin_input_ids))
-        reserve = alloc.pages_for(decode_reserve_tokens([*self.running.reqs, req], self.new_token_ratio))
-        if not self.has_work():
+        if not self.has_work() and not incoming:
             return prompt <= alloc.available_pages
-        return prompt + reserve <= alloc.available_pages
+        reserve = decode_reserve_tokens([*self.running.reqs, *incoming, req], self.new_token_ratio)
+        return prompt + alloc.pages_for(reserve) <= alloc.available_pages
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish request `rid` with reason abort and free its KV. False if unknown."""

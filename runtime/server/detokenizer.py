@@ -59,7 +59,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted : upto]
         self.emitted = upto
         return delta
-
-    @property
-    def sent_text(self) -> str:
-        return self.text[: self.emitted]

@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.disagg.conftest import MAX_NEW
 from tests.disagg.pd import Pair, pd_call, start_pair, stream_ids
-from tests.engine.hf_reference import Reference, compare
+from tests.engine.hf_reference import MAX_NEW, Reference, compare
 from tests.server.server_process import ServerProcess
 
 

@@ -4,6 +4,7 @@ every failure ends the request with a clear error and frees its KV on both sides
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests.disagg.pd import Pair, pd_call, restart_prefill, start_pair
+from tests.router.router_process import start_router
 
 FAST = ("--bootstrap-timeout-s", "3", "--waiting-timeout-s", "6", "--heartbeat-interval-s", "0.5",
         "--heartbeat-misses", "2")
@@ -65,6 +67,19 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(pair: Pair) ->
     prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
     assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8  # still serving
     eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
+    # the prefill side refuses a second request for a room it already has
+    async def twice() -> list[httpx.Response]:
+        body = gen_body(pair)
+        async with httpx.AsyncClient(timeout=30) as http:
+            first = asyncio.ensure_future(http.post(f"{pair.prefill.url}/generate", json=body))
+            await asyncio.sleep(0.5)
+            again = await http.post(f"{pair.prefill.url}/generate", json={**body, "rid": "x2"})
+            done = await http.post(f"{pair.decode.url}/generate", json=body)
+            return [again, await first, done]
+    again, first, done = asyncio.run(twice())
+    assert again.status_code == 409 and first.status_code == 200 and done.status_code == 200
+    for srv in (pair.prefill, pair.decode):
+        assert "baton_kv_transfers_total 4.0" in httpx.get(f"{srv.url}/metrics").text
 
 
 async def _one(pair: Pair, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
@@ -79,6 +94,8 @@ def test_decode_that_never_shows_up_frees_the_room(pair: Pair) -> None:
     assert "no decode server asked for room" in r.json()["error"]["message"]
     assert 2.5 < time.monotonic() - began < 10
     assert kv_free(pair.prefill.url)
+    metrics = httpx.get(f"{pair.prefill.url}/metrics").text
+    assert 'baton_kv_transfer_failures_total{reason="bootstrap_timeout"} 1.0' in metrics
 
 
 def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
@@ -153,3 +170,60 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
         eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
     finally:
         pair.stop()
+
+
+def test_decode_killed_mid_stream_through_the_router(pair: Pair, tmp_path: Path) -> None:
+    """The client gets an in-band error and [DONE], never a hang; the prefill keeps no KV."""
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+    try:
+        body = {"text": "Tell me a long story", "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+        began, events = time.monotonic(), []
+        with httpx.Client(timeout=60) as http, \
+                http.stream("POST", f"{router.url}/generate", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    pair.decode.kill()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert '"error"' in events[-2], events[-3:]
+        assert time.monotonic() - began < 30
+        eventually(lambda: kv_free(pair.prefill.url))
+    finally:
+        router.stop()
+
+
+def test_random_client_disconnects_through_the_router_leave_no_kv(pair: Pair, tmp_path: Path) -> None:
+    """40 streamed requests, half of them dropped by the client after a random number of chunks
+    (some before the first token, while their room is still being set up): afterwards both
+    pools are empty and the pair still serves."""
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+    rng = random.Random(3)
+
+    async def one(http: httpx.AsyncClient, drop_after: int | None) -> None:
+        body = {"text": "Count with me: one, two,", "stream": True,
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+        async with http.stream("POST", f"{router.url}/generate", json=body) as resp:
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: ")
+                if drop_after is not None and seen >= drop_after:
+                    return  # leaving the block closes the connection mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            plan = [rng.choice([None, 0, 1, 2, 5]) for _ in range(40)]
+            await asyncio.gather(*(one(http, d) for d in plan))
+
+    try:
+        asyncio.run(run())
+        eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url), timeout=20)
+        prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+        assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8
+    finally:
+        router.stop()

@@ -31,14 +31,17 @@ async def run(pair: Pair, bodies: list[dict[str, Any]]) -> list[tuple[httpx.Resp
         return list(await asyncio.gather(*(pd_call(http, pair, "/generate", b) for b in bodies)))
 
 
-def test_64_concurrent_requests_each_get_their_own_oracle_sequence(pair: Pair) -> None:
-    rng = random.Random(7)
+def bodies_for(pair: Pair, n: int, seed: int, max_prompt: int = 90) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
     bodies = []
-    for i in range(64):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 90))]
-        body = {"input_ids": prompt, "stream": i % 2 == 0, **pair.fields(rng.getrandbits(63)),
-                "sampling_params": {"max_new_tokens": rng.randrange(1, 24), "ignore_eos": True}}
-        bodies.append(body)
+    for i in range(n):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(1, max_prompt))]
+        bodies.append({"input_ids": prompt, "stream": i % 2 == 0, **pair.fields(rng.getrandbits(63)),
+                       "sampling_params": {"max_new_tokens": rng.randrange(1, 24), "ignore_eos": True}})
+    return bodies
+
+
+def check_oracle(pair: Pair, bodies: list[dict[str, Any]]) -> None:
     for body, (prefill, decoded) in zip(bodies, asyncio.run(run(pair, bodies)), strict=True):
         n, room = body["sampling_params"]["max_new_tokens"], body["bootstrap_room"]
         want = oracle_sequence(room, len(body["input_ids"]), n, VOCAB)
@@ -48,3 +51,20 @@ def test_64_concurrent_requests_each_get_their_own_oracle_sequence(pair: Pair) -
         assert got == want, f"room {room}: got {got}, oracle {want}"
     for srv in (pair.prefill, pair.decode):
         assert httpx.get(f"{srv.url}/debug/stats").json()["kv_all_free"]
+
+
+def test_64_concurrent_requests_each_get_their_own_oracle_sequence(pair: Pair) -> None:
+    check_oracle(pair, bodies_for(pair, 64, seed=7))
+
+
+def test_a_full_decode_pool_makes_requests_wait_never_fail(
+    tiny_path: Path, tmp_path: Path
+) -> None:
+    """Decode's pool holds ~6 of these requests at once: the rest wait in its prealloc queue
+    (and their prefill side in its bootstrap queue), then all finish with their own tokens."""
+    pair = start_pair(tmp_path, "tcp", "--sampler-backend", "token_oracle", model=str(tiny_path),
+                      decode_extra=("--max-total-tokens", "512", "--page-size", "16"))
+    try:
+        check_oracle(pair, bodies_for(pair, 32, seed=11, max_prompt=60))
+    finally:
+        pair.stop()

@@ -9,6 +9,20 @@ import torch
 
 NEAR_TIE = 1e-3  # HF top-2 logit gap under which float noise may legitimately flip greedy
 
+# The prompts every token-equality test uses (engine, PD pair, PD through the router), and how
+# many tokens each generates: their HF reference is computed once per session (tests/conftest.py).
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hello, my name is",
+    "Once upon a time, in a land far away, there lived a",
+    "List three colors:",
+    "Water boils at a temperature of",
+    "Explain why the sky is blue. " * 6,
+    "In 1492, Columbus sailed across the ocean. " * 12,
+]
+MAX_NEW = 32
+
 
 @dataclass
 class Reference:

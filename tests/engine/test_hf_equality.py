@@ -8,7 +8,6 @@ retracted. A divergence is excused only at a genuine near-tie (HF top-2 gap < 1e
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,41 +15,16 @@ import pytest
 from runtime import Engine
 from runtime.attention.cpu_backend import CpuAttention
 from runtime.attention.torch_backend import TorchAttention
-from tests.engine.hf_reference import Reference, compare, hf_greedy
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Hello, my name is",
-    "Once upon a time, in a land far away, there lived a",
-    "List three colors:",
-    "Water boils at a temperature of",
-    "Explain why the sky is blue. " * 6,
-    "In 1492, Columbus sailed across the ocean. " * 12,
-]
-MAX_NEW = 32
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(model_path: Path) -> list[list[int]]:
-    from runtime.engine.engine import load_tokenizer
-
-    tok = load_tokenizer(model_path)
-    return [tok.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def reference(model_path: Path, prompt_ids: list[list[int]]) -> list[Reference]:
-    return hf_greedy(model_path, prompt_ids, MAX_NEW)
+from tests.engine.hf_reference import MAX_NEW, Reference, compare
 
 
 def run_and_compare(
-    prompt_ids: list[list[int]], reference: list[Reference], **engine_args: Any
+    prompt_ids: list[list[int]], hf_refs: list[Reference], **engine_args: Any
 ) -> Engine:
     engine = Engine(**engine_args)
     try:
         results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": MAX_NEW})
-        notes = [compare(r["output_ids"], ref) for r, ref in zip(results, reference, strict=True)]
+        notes = [compare(r["output_ids"], ref) for r, ref in zip(results, hf_refs, strict=True)]
         for note in filter(None, notes):
             warnings.warn(f"{engine_args}: {note}", stacklevel=1)
         assert sum(n is not None for n in notes) <= 1, notes  # near-ties are rare, not routine
@@ -66,35 +40,35 @@ def test_prompts_mix_lengths(prompt_ids: list[list[int]]) -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_greedy_matches_hf(prompt_ids: list[list[int]], reference: list[Reference], overlap: bool) -> None:
-    engine = run_and_compare(prompt_ids, reference, enable_overlap=overlap)
+def test_greedy_matches_hf(prompt_ids: list[list[int]], hf_refs: list[Reference], overlap: bool) -> None:
+    engine = run_and_compare(prompt_ids, hf_refs, enable_overlap=overlap)
     # the defaults on this CPU: oneDNN matmuls and the native decode kernel
     assert engine.runner.model.onednn and isinstance(engine.runner.attn, CpuAttention)
 
 
 def test_greedy_matches_hf_on_plain_torch(
-    prompt_ids: list[list[int]], reference: list[Reference]
+    prompt_ids: list[list[int]], hf_refs: list[Reference]
 ) -> None:
     """F.linear matmuls and gather + SDPA attention (what non-CPU devices run) must agree too."""
-    engine = run_and_compare(prompt_ids, reference, linear_backend="torch", attention_backend="torch")
+    engine = run_and_compare(prompt_ids, hf_refs, linear_backend="torch", attention_backend="torch")
     assert not engine.runner.model.onednn and type(engine.runner.attn) is TorchAttention
 
 
-def test_chunked_prefill_matches_hf(prompt_ids: list[list[int]], reference: list[Reference]) -> None:
+def test_chunked_prefill_matches_hf(prompt_ids: list[list[int]], hf_refs: list[Reference]) -> None:
     longest = max(len(p) for p in prompt_ids)
     chunk = 32
     assert chunk < longest
-    run_and_compare(prompt_ids, reference, chunked_prefill_size=chunk)
+    run_and_compare(prompt_ids, hf_refs, chunked_prefill_size=chunk)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_tiny_kv_budget_waits_and_retracts(
-    prompt_ids: list[list[int]], reference: list[Reference], overlap: bool
+    prompt_ids: list[list[int]], hf_refs: list[Reference], overlap: bool
 ) -> None:
     longest = max(len(p) for p in prompt_ids)
     budget = longest + MAX_NEW + 4  # the longest request fits alone, the batch never does
     engine = run_and_compare(
-        prompt_ids, reference, max_total_tokens=budget, page_size=4, enable_overlap=overlap
+        prompt_ids, hf_refs, max_total_tokens=budget, page_size=4, enable_overlap=overlap
     )
     assert engine.scheduler.num_retractions > 0
     assert engine.scheduler.peak_running < len(prompt_ids), "everything ran at once: no waiting"

@@ -1,8 +1,10 @@
 """tcp backend: pages streamed over the prefill->decode link itself.
 
-The sender gathers the room's pages of each buffer into one block and sends it after a
-PagesFrame header; the receiver reads each block into a staging buffer and scatters it into its
-own pages. The fallback where nixl is missing, and the simplest thing that can be right.
+The byte stream after a PagesFrame header is every buffer in order (layer 0 K, layer 0 V, ...),
+each as the room's pages in list order. On a CPU pool both sides use scatter/gather socket I/O
+(`sendmsg` from the source pages, `recvmsg_into` the destination pages), so KV goes from one
+pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A pool on a
+GPU goes through host staging. The fallback where nixl is missing.
 """
 
 from __future__ import annotations
@@ -13,8 +15,53 @@ import threading
 import torch
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import PagesFrame, recv_into_exact, send_frame
+from runtime.disagg.wire import LinkClosed, PagesFrame, send_frame
 from runtime.kvcache.pool import KVPool
+
+IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (the kernel allows 1024)
+
+
+def runs(pages: list[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive page indices, in order."""
+    out: list[tuple[int, int]] = []
+    for p in pages:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+def page_views(views: list[torch.Tensor], pages: list[int]) -> list[memoryview]:
+    """Memoryviews of these pages of every buffer, in stream order (CPU pools)."""
+    spans = runs(pages)
+    return [memoryview(v[a:b].numpy()).cast("B") for v in views for a, b in spans]  # type: ignore[arg-type]
+
+
+def _advance(parts: list[memoryview], i: int, n: int) -> int:
+    """Past `n` bytes done from parts[i] on (the last one may be done in part); the next i."""
+    while n:
+        if n >= len(parts[i]):
+            n -= len(parts[i])
+            i += 1
+        else:
+            parts[i], n = parts[i][n:], 0
+    return i
+
+
+def send_views(sock: socket.socket, parts: list[memoryview]) -> None:
+    i = 0
+    while i < len(parts):
+        i = _advance(parts, i, sock.sendmsg(parts[i:i + IOV_MAX]))
+
+
+def recv_views(sock: socket.socket, parts: list[memoryview]) -> None:
+    i = 0
+    while i < len(parts):
+        got = sock.recvmsg_into(parts[i:i + IOV_MAX])[0]
+        if got == 0:
+            raise LinkClosed("peer closed the link in the middle of a room's pages")
+        i = _advance(parts, i, got)
 
 
 class TcpTransfer(KVTransfer):
@@ -23,18 +70,21 @@ class TcpTransfer(KVTransfer):
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
         self.views = self.page_views()  # [num_pages, page_bytes] uint8 per buffer
+        self.on_cpu = self.views[0].device.type == "cpu"
         self._landed: set[int] = set()
         self._lock = threading.Lock()
 
     def write(
         self, peer_id: str, link: socket.socket, room: int, src_pages: list[int], dst_pages: list[int]
     ) -> int:
-        src = torch.tensor(src_pages, dtype=torch.int64, device=self.views[0].device)
-        # [n_pages, page_bytes] per buffer; .cpu() is a no-op for a CPU pool
-        blocks = [v.index_select(0, src).cpu() for v in self.views]
-        nbytes = sum(b.numel() for b in blocks)
-        payload = [memoryview(b.numpy()) for b in blocks]  # type: ignore[arg-type]
-        send_frame(link, PagesFrame(room, dst_pages, nbytes), payload)
+        nbytes = len(src_pages) * self.views[0].shape[1] * len(self.views)
+        send_frame(link, PagesFrame(room, dst_pages, nbytes))
+        if self.on_cpu:
+            send_views(link, page_views(self.views, src_pages))
+        else:
+            src = torch.tensor(src_pages, dtype=torch.int64, device=self.views[0].device)
+            blocks = [v.index_select(0, src).cpu() for v in self.views]
+            send_views(link, [memoryview(b.numpy()).cast("B") for b in blocks])  # type: ignore[arg-type]
         return nbytes
 
     def read_pages(self, frame: PagesFrame, link: socket.socket) -> None:
@@ -43,13 +93,16 @@ class TcpTransfer(KVTransfer):
         if frame.nbytes != n * page_bytes * len(self.views):
             raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
                                 f"{page_bytes} x {len(self.views)} buffers")
-        if n and max(frame.dst_pages) >= self.pool.num_pages:
+        if n and not 0 <= min(frame.dst_pages) <= max(frame.dst_pages) < self.pool.num_pages:
             raise TransferError(f"room {frame.room}: page index out of range")
-        dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.views[0].device)
-        staging = torch.empty((n, page_bytes), dtype=torch.uint8)
-        for view in self.views:
-            recv_into_exact(link, memoryview(staging.numpy()).cast("B"))  # type: ignore[arg-type]
-            view.index_copy_(0, dst, staging.to(view.device))
+        if self.on_cpu:
+            recv_views(link, page_views(self.views, frame.dst_pages))
+        else:
+            staging = torch.empty((n, page_bytes), dtype=torch.uint8)
+            dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.views[0].device)
+            for view in self.views:
+                recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
+                view.index_copy_(0, dst, staging.to(view.device))
         with self._lock:
             self._landed.add(frame.room)
 
