@@ -96,8 +96,8 @@ class SchedulerLoop:
     # ---- start-up ---------------------------------------------------------------------------
     def warm_up(self) -> None:
         """One short greedy request through the whole path, so the first client pays nothing."""
+        from runtime.sampling_params import SamplingParams
         from runtime.scheduler.req import Req
-        from runtime.scheduler.sampling_params import SamplingParams
 
         ids = self.tokenizer.encode("Warm-up: the quick brown fox")
         req = Req("warmup", ids, SamplingParams(max_new_tokens=2, temperature=0.0))
@@ -181,8 +181,8 @@ class SchedulerLoop:
 
     def _add(self, msg: GenerateRequest) -> None:
         from runtime.disagg.rooms import RoomError
+        from runtime.sampling_params import InvalidRequest, SamplingParams
         from runtime.scheduler.req import Req
-        from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 
         try:
             if msg.rid in self.active:

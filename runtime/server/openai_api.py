@@ -15,13 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.messages import GenerateRequest
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.sampling_params import SamplingParams
 from runtime.server import openai_format as fmt
 from runtime.server import sse
 from runtime.server.errors import ApiError, error_body
 from runtime.server.generation import Delta, Generation, finish, interleave, start
 from runtime.server.json_route import JsonRoute
-from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter(route_class=JsonRoute)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from runtime.config import SchedulerConfig
+from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_runner import FakeRunner, expected_outputs
 

@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tests.server.server_process import ServerProcess
 
 EXAMPLES = 12

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from runtime.messages import ReqOutput
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import FinishReason, Req
-from runtime.scheduler.sampling_params import SamplingParams
 from runtime.scheduler.streamer import OutputStreamer
 
 

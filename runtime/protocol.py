@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.validation import InvalidRequest
 
 INT64_MAX = (1 << 63) - 1
