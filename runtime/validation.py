@@ -81,7 +81,8 @@ def parse_json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
             f"the body must be JSON sent with Content-Type: application/json (got {got})",
             status=415, code="unsupported_media_type")
     if not raw.strip():
-        raise InvalidRequest("the request body is empty; send a JSON object", code="json_invalid")
+        raise InvalidRequest("malformed JSON body: it is empty; send a JSON object",
+                             code="json_invalid")
     try:
         body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too deep
