@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+HOSTNAME = re.compile(r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$")
 PERCENT = re.compile(r"^[0-9]+%$")
+INT32_MAX = 2**31 - 1  # replica counts are int32 in every Kubernetes API
 
 
 class InvalidSpec(ValueError):
@@ -44,9 +46,9 @@ def choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-def integer(value: Any, where: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidSpec(f"{where} {value!r}: expected an integer >= {minimum}")
+def integer(value: Any, where: str, *, minimum: int, maximum: int = INT32_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidSpec(f"{where} {value!r}: expected an integer from {minimum} to {maximum}")
     return value
 
 

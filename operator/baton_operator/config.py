@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from baton_operator.policy import PodPolicy
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    resync_seconds: float = 60.0  # level-based re-reconcile of every service (drift repair)
+    resync_seconds: float = 60.0  # level-based re-reconcile of every service (safety net)
     retry_seconds: float = 15.0  # delay before retrying after a transient API error
+    # kopf watches CRDs to notice resources appearing at run time; that needs a ClusterRole,
+    # so the chart's namespaced mode (a Role only) turns it off.
+    cluster_scanning: bool = True
+    policy: PodPolicy = field(default_factory=PodPolicy)
 
     @classmethod
-    def from_env(cls) -> OperatorConfig:
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
+        scanning = env.get("BATON_OPERATOR_CLUSTER_SCANNING", "true").strip().lower()
+        if scanning not in ("true", "false"):
+            raise ValueError(f"BATON_OPERATOR_CLUSTER_SCANNING={scanning!r}: true or false")
         return cls(
-            resync_seconds=float(os.environ.get("BATON_OPERATOR_RESYNC_SECONDS", cls.resync_seconds)),
-            retry_seconds=float(os.environ.get("BATON_OPERATOR_RETRY_SECONDS", cls.retry_seconds)),
+            resync_seconds=float(env.get("BATON_OPERATOR_RESYNC_SECONDS", cls.resync_seconds)),
+            retry_seconds=float(env.get("BATON_OPERATOR_RETRY_SECONDS", cls.retry_seconds)),
+            cluster_scanning=scanning == "true",
+            policy=PodPolicy.from_env(env),
         )

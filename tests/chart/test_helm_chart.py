@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import Any
 
 import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
-from chart_support import K8S_VERSIONS, Render, validate_builtin
+import yaml
+from chart_support import K8S_VERSIONS, Render, only, operator_container, validate_builtin
 
 pytestmark = pytest.mark.timeout(120)  # each test renders with the Helm engine
 
@@ -42,18 +44,6 @@ FULL_VALUES: dict[str, Any] = {
     "sample": {"enabled": True, "name": "demo"},
 }
 CASES = {"defaults": {}, "sample": {"sample": {"enabled": True}}, "full": FULL_VALUES}
-
-
-def only(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
-
-
-def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
-    containers = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert [c["name"] for c in containers] == ["operator"]
-    return containers[0]
 
 
 @pytest.mark.parametrize(
@@ -203,44 +193,6 @@ def test_rbac_can_be_left_to_the_cluster_admin(render: Render):
     assert kinds == {"ServiceAccount", "Deployment"}
 
 
-def test_clusterrole_is_least_privilege(render: Render):
-    objs = render()
-    role = only(objs, "ClusterRole")
-    granted: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        assert set(rule) == {"apiGroups", "resources", "verbs"}  # no nonResourceURLs/resourceNames
-        for field in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule[field], f"wildcard in {field}: {rule}"
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
-    crud = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    assert granted == {
-        ("baton.dev", "inferenceservices"): {"get", "list", "watch", "patch", "update"},
-        ("baton.dev", "inferenceservices/status"): {"get", "list", "watch", "patch", "update"},
-        ("baton.dev", "inferenceservices/finalizers"): {"update"},
-        ("apps", "deployments"): crud,
-        ("", "services"): crud,
-        ("networking.k8s.io", "ingresses"): crud,
-        ("autoscaling", "horizontalpodautoscalers"): crud,
-        ("policy", "poddisruptionbudgets"): crud,
-        ("", "events"): {"create", "patch"},
-        ("events.k8s.io", "events"): {"create", "patch"},
-        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
-        ("", "namespaces"): {"list", "watch"},
-    }
-    binding = only(objs, "ClusterRoleBinding")
-    assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "ClusterRole",
-        "name": role["metadata"]["name"],
-    }
-    sa = only(objs, "ServiceAccount")["metadata"]
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}
-    ]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_standard_labels_on_every_object(render: Render, case):
     for obj in render(CASES[case], name="rel"):
@@ -253,15 +205,21 @@ def test_standard_labels_on_every_object(render: Render, case):
         assert labels["helm.sh/chart"] == "baton-0.1.0"
 
 
-def test_notes_point_at_the_operator_and_the_sample(chart_dir):
+def test_notes_print_a_sample_and_point_at_nothing_outside_the_chart(chart_dir, crd_schema):
     with helm.Chart.load(chart_dir) as chart:
         off = chart.render({}, name="baton", namespace="ops")["baton/templates/NOTES.txt"]
         on = chart.render({"sample": {"enabled": True}}, name="baton", namespace="ops")[
             "baton/templates/NOTES.txt"
         ]
-    assert "deployment/baton-operator" in off
-    assert "manifests/samples/inferenceservice.yaml" in off
+        scoped = chart.render({"rbac": {"namespaced": True}, "watchNamespace": "ml"},
+                              name="baton", namespace="ops")["baton/templates/NOTES.txt"]
+    assert "deployment/baton-operator" in off and "watches every namespace" in off
+    assert "manifests/" not in off and ".yaml" not in off, "a chart user has no repository"
+    sample = yaml.safe_load(textwrap.dedent(off.split("<<'YAML'\n")[1].split("  YAML\n")[0]))
+    assert sample["kind"] == "InferenceService" and sample["metadata"]["name"] == "smollm2"
+    jsonschema.validate(sample, crd_schema)
     assert "get bisvc smollm2" in on
+    assert "watches namespace ml" in scoped and "kubectl -n ml apply -f -" in scoped
 
 
 # Sections passed through to Kubernetes as a whole: documented by the comment above them.

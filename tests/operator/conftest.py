@@ -15,7 +15,7 @@ import kubernetes
 import pytest
 from baton_operator.main import kopf_args
 from isvc_helpers import CRD_FILE, NAMESPACE, Cluster, OperatorFactory
-from kmock_compat import EmulatedCluster
+from kmock_cluster import EmulatedCluster
 from kopf.testing import KopfRunner
 
 

@@ -1,40 +1,46 @@
 """An emulated Kubernetes API for the operator tests: kmock 0.8 plus what `kopf run` and
 `kubectl` need from a real API server (../shared/ENVIRONMENT.md lists the gaps).
 
-On top of `kmock.KubernetesEmulator` this adds:
+On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this adds:
 - object bookkeeping: uid, resourceVersion, generation (bumped on spec changes),
-  creationTimestamp, generateName;
-- PATCH as the API server does it: JSON patch (a failed `test` is 422), merge patch,
-  the `status` subresource (status-only) vs. the main resource (status ignored), optimistic
-  concurrency on metadata.resourceVersion, and no-op patches that change nothing at all;
-- CRDs created through the API register their resource for discovery;
-- watches that honour ?resourceVersion and lose no event between snapshot and stream, sent
-  as application/json; lists with kind, apiVersion and a resourceVersion; core discovery
-  with groupVersion "v1";
+  creationTimestamp, generateName, apiVersion and kind;
+- PATCH as the API server does it: JSON patch (a failed `test` is 422), merge patch, strategic
+  merge patch (kmock_patch), the `status` subresource (status-only) vs. the main resource
+  (status ignored), the `scale` subresource of Deployments (an autoscaling/v1 Scale, as
+  `kubectl scale` uses it), optimistic concurrency on metadata.resourceVersion, and no-op
+  patches that change nothing at all;
+- what the API server does to a write (kmock_admission): a custom resource's schema
+  defaults; int32 overflows (400), invalid Ingress hosts and names (422), admission
+  policies installed by a test (422);
+- authentication by bearer token and RBAC from the stored Roles and bindings (kmock_rbac);
+- CRDs created through the API registered for discovery, Tables, lists and watches as the
+  API server serves them (kmock_reads, kmock_table);
 - owner-reference garbage collection (immediate) like kube-controller-manager;
-- injected faults (503 for the next N requests of a method on a resource).
+- injected faults (503 for the next N requests of a method on a resource);
 - /api/v1/namespaces parsed as the cluster-scoped resource it is (kopf's namespace scanning).
-Still absent: label/field selectors, PUT, schema validation and defaulting, protobuf.
+Still absent: label/field selectors, PUT, server-side apply, OpenAPI schema validation, CEL
+validation rules, defaulting of built-in kinds, protobuf.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import datetime
 import itertools
 import secrets
-import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp.web
 import jsonpatch
 import jsonpointer
 import kmock
+import kmock_admission as admission
+import kmock_rbac as rbac
 from kmock._internal import enums, parsing
+from kmock_patch import merge_patch, strategic_merge_patch
+from kmock_reads import ReadingEmulator
 
 _kmock_parse_path = parsing.parse_path
 
@@ -53,21 +59,20 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 parsing.parse_path = _parse_path  # kmock's request parser looks it up on the module
 CRD = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
-ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+RBAC_PLURALS = ("roles", "clusterroles", "rolebindings", "clusterrolebindings")
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class Emulator(kmock.KubernetesEmulator):
+class Emulator(ReadingEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
         self.faults: dict[tuple[str, str], int] = {}  # (method, plural) -> failures left
-        # client-go (kubectl -w, --wait) rejects kmock's application/octet-stream watches.
-        (self.fallback ** 1)[enums.action.WATCH] << kmock.headers(
-            {"Content-Type": "application/json"}) << self._serve_watch
+        self.policies: list[admission.Policy] = []
+        self.audit: list[tuple[str, rbac.Attributes, bool]] = []  # RBAC-checked requests
 
     def _next_version(self) -> str:
         return str(next(self._versions))
@@ -75,15 +80,19 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
+        self._authorize(request)
         fault = (request.method.value, str(request.resource.plural))
         if self.faults.get(fault, 0) > 0:
             self.faults[fault] -= 1
             raise kmock.KubernetesError(status=503, reason="ServiceUnavailable",
                                         message="injected fault", details={})
+        if request.subresource == "scale":
+            return await self._scale(request)
         if request.action == enums.action.UPDATE and request.name is not None:
             return await self._patch(request)
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
             self._stamp_new(request)
+            self._admit(request.resource, request.data)
         response = await super()._handle(request)
         if response.status < 300 and request.action == enums.action.CREATE:
             if not response.prepared:
@@ -93,6 +102,50 @@ class Emulator(kmock.KubernetesEmulator):
         if response.status < 300 and request.action == enums.action.DELETE:
             await self._collect_garbage()
         return response
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        """kmock puts a formatted traceback into every error's details, which made a 404 three
+        times slower than a GET; an API server's Status carries none."""
+        if isinstance(exc, kmock.KubernetesError):
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "code": exc.status, "reason": exc.reason or type(exc).__name__,
+                "message": exc.message or repr(exc), "details": exc.details or {}},
+                status=exc.status)
+        return await super()._render_error(exc)
+
+    # -- authentication, authorization, admission ----------------------------------------------
+
+    def _authorize(self, request: kmock.Request) -> None:
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        identity = rbac.Identity.from_token(token, request.headers.get("Impersonate-User", ""))
+        assert request.resource is not None
+        if identity.admin or request.resource.plural is None:  # discovery is open to all
+            return
+        resource = str(request.resource.plural)
+        attrs = rbac.Attributes(
+            verb=rbac.verb(request.method.value, request.name is not None,
+                           request.params.get("watch") in ("true", "1")),
+            group=str(request.resource.group or ""),
+            resource=f"{resource}/{request.subresource}" if request.subresource else resource,
+            namespace=request.namespace, name=request.name)
+        stored = {plural: [obj.raw for (res, _, _), obj in self.objects.items()
+                           if res.group == rbac.RBAC and res.plural == plural and not obj.deleted]
+                  for plural in RBAC_PLURALS}
+        allowed = rbac.allowed(identity, attrs, stored)
+        self.audit.append((identity.user, attrs, allowed))
+        if not allowed:
+            raise kmock.KubernetesError(status=403, reason="Forbidden",
+                                        message=attrs.describe(identity.user), details={})
+
+    def _admit(self, resource: kmock.resource, obj: dict[str, Any]) -> None:
+        if resource in self.schemas:
+            admission.apply_defaults(obj, self.schemas[resource])
+        try:
+            admission.check(str(resource.plural), obj, self.policies)
+        except admission.Rejected as e:
+            raise kmock.KubernetesError(status=e.status, reason=e.reason, message=e.message,
+                                        details={}) from e
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -105,38 +158,60 @@ class Emulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(), generation=1,
                     creationTimestamp=_now())
+        resource, info = request.resource, self._resource_info(request.resource)
+        if info.kind:  # the API server always stores (and returns) apiVersion and kind
+            body.setdefault("apiVersion", f"{resource.group}/{resource.version}".lstrip("/"))
+            body.setdefault("kind", info.kind)
         if "status" in self._resource_info(request.resource).subresources:
             body.pop("status", None)  # status is only written through its subresource
 
-    async def _patch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+    async def _patch(self, request: kmock.Request, scale: bool = False
+                     ) -> aiohttp.web.StreamResponse:
         assert request.resource is not None
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             if key not in self.objects or self.objects[key].deleted:
                 raise kmock.KubernetesObjectNotFoundError()
             current = copy.deepcopy(self.objects[key].raw)
-            new = self._patched(request, current)
+            new = self._scaled(request, current) if scale else self._patched(request, current)
             if new == current:  # a no-op patch neither bumps the version nor notifies anyone
-                return aiohttp.web.json_response(current)
+                return aiohttp.web.json_response(_scale_of(new) if scale else current)
+            self._admit(request.resource, new)
             self._bump(new, current, subresource=request.subresource)
             meta = new["metadata"]
+            self.objects[key].history.append(new)
             if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-                self.objects[key].history.append(new)
                 self.objects[key].delete()
                 await self._buses[request.resource].put({"type": "DELETED", "object": new})
             else:
-                self.objects[key].history.append(new)
                 await self._buses[request.resource].put({"type": "MODIFIED", "object": new})
         await self._collect_garbage()
-        return aiohttp.web.json_response(new)
+        return aiohttp.web.json_response(_scale_of(new) if scale else new)
+
+    async def _scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """The `scale` subresource of Deployments: GET and PATCH an autoscaling/v1 Scale."""
+        if request.method.value == "PATCH":
+            return await self._patch(request, scale=True)
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted or request.method.value != "GET":
+            raise kmock.KubernetesObjectNotFoundError()
+        return aiohttp.web.json_response(_scale_of(self.objects[key].raw))
+
+    def _scaled(self, request: kmock.Request, current: dict[str, Any]) -> dict[str, Any]:
+        scale = merge_patch(_scale_of(current), request.data)
+        new = copy.deepcopy(current)
+        new.setdefault("spec", {})["replicas"] = (scale.get("spec") or {}).get("replicas", 0)
+        return new
 
     def _patched(self, request: kmock.Request, current: dict[str, Any]) -> dict[str, Any]:
         content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
         try:
             if content_type == "application/json-patch+json":
                 new = jsonpatch.apply_patch(current, request.data, in_place=False)
-            else:  # merge-patch; strategic merge approximated by it (lists are replaced)
-                new = _merge_patch(current, request.data)
+            elif content_type == "application/strategic-merge-patch+json":
+                new = strategic_merge_patch(current, request.data)
+            else:
+                new = merge_patch(current, request.data)
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from e
         wanted_version = (request.data if isinstance(request.data, dict) else {}).get(
@@ -188,134 +263,13 @@ class Emulator(kmock.KubernetesEmulator):
             if not orphans:
                 return
 
-    # -- discovery ---------------------------------------------------------------------------
 
-    def _resource_info(self, resource: kmock.resource | None) -> kmock.ResourceInfo:
-        if resource is not None and resource in self.resources:
-            return self.resources[resource]
-        return kmock.ResourceInfo()
-
-    def _register_crd(self, crd: Mapping[str, Any]) -> None:
-        spec, names = crd["spec"], crd["spec"]["names"]
-        for version in spec.get("versions", []):
-            self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = kmock.ResourceInfo(
-                kind=names["kind"], singular=names.get("singular"),
-                namespaced=spec.get("scope") == "Namespaced",
-                shortnames=set(names.get("shortNames", [])),
-                categories=set(names.get("categories", [])), verbs=ALL_VERBS,
-                subresources=set((version.get("subresources") or {}).keys()))
-
-    async def _serve_version(self, request: kmock.Request) -> Any:
-        result = await super()._serve_version(request)
-        result["groupVersion"] = result["groupVersion"].lstrip("/")  # "v1", not "/v1"
-        return result
-
-    async def _serve_list(self, request: kmock.Request) -> Any:
-        result = await super()._serve_list(request)
-        assert request.resource is not None
-        resource, info = request.resource, self._resource_info(request.resource)
-        kind = info.kind or str(resource.plural).capitalize()
-        return {"apiVersion": f"{resource.group}/{resource.version}".lstrip("/"),
-                "kind": f"{kind}List",
-                "metadata": {"resourceVersion": self._latest_version()},
-                "items": result["items"]}
-
-    def _latest_version(self) -> str:
-        versions = [int(obj.raw["metadata"].get("resourceVersion", 0))
-                    for obj in self.objects.values() if not obj.deleted]
-        return str(max(versions, default=0))
-
-    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        """Existing objects newer than ?resourceVersion as ADDED, then every later event.
-
-        The bus is marked under the same lock as the snapshot, so nothing falls between."""
-        yield b""
-        assert request.resource is not None
-        since = request.params.get("resourceVersion", "")
-        async with self._lock:
-            mark = await self._buses[request.resource].mark()
-            objects = [obj.raw for obj in self._KubernetesEmulator__get_objs(request, strict=False)
-                       if not obj.deleted]
-        for obj in objects:
-            version = obj.get("metadata", {}).get("resourceVersion", "0")
-            if not (since.isdigit() and int(version) <= int(since)):
-                yield {"type": "ADDED", "object": obj}
-        async for event in mark:
-            meta = event.get("object", {}).get("metadata", {})
-            if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"),
-                                               meta.get("name"), strict=False):
-                yield event
-
-
-def _merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merge_patch(result.get(key), value)
-    return result
-
-
-class EmulatedCluster:
-    """The emulator served on 127.0.0.1:<random port> from its own thread and event loop."""
-
-    def __init__(self) -> None:
-        self.emulator: Emulator | None = None
-        self.url = ""
-        self._started = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True,
-                                        name="kmock")
-
-    async def _serve(self) -> None:
-        async with Emulator() as emulator, kmock.Server(emulator) as server:
-            emulator.resources.load_bundled()
-            self.emulator, self.url = emulator, str(server.url).rstrip("/")
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            self._started.set()
-            await self._stop.wait()
-
-    @contextmanager
-    def running(self, timeout: float = 15) -> Iterator[EmulatedCluster]:
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise TimeoutError("the emulated API server did not start")
-        try:
-            yield self
-        finally:
-            assert self._loop is not None and self._stop is not None
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout)
-
-    def fail(self, method: str, plural: str, times: int) -> None:
-        """Answer the next `times` `method` requests on `plural` with 503."""
-        assert self.emulator is not None
-        self.emulator.faults[method, plural] = times
-
-    def request_count(self) -> int:
-        return len(self._requests())
-
-    def writes(self, after: int = 0, kinds: tuple[str, ...] = ()) -> list[str]:
-        """`METHOD /path` of the mutating requests since the `after`-th request, optionally
-        only those on resources whose plural is in `kinds`."""
-        return [f"{r.method.value} {r.url.path}" for r in self._requests()[after:]
-                if r.method.value in ("POST", "PUT", "PATCH", "DELETE")
-                and (not kinds or (r.resource is not None and r.resource.plural in kinds))]
-
-    def _requests(self) -> list[kmock.Request]:
-        assert self.emulator is not None
-        return [r for r in list(self.emulator) if isinstance(r, kmock.Request)]
-
-    def kubeconfig(self) -> str:
-        return (
-            "apiVersion: v1\nkind: Config\n"
-            f"clusters: [{{name: kmock, cluster: {{server: \"{self.url}\"}}}}]\n"
-            "users: [{name: tester, user: {token: test-token}}]\n"
-            "contexts: [{name: kmock, context: {cluster: kmock, user: tester, namespace: default}}]\n"
-            "current-context: kmock\n"
-        )
+def _scale_of(obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    labels = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                              "creationTimestamp") if k in meta},
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
+            "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
+                       "selector": ",".join(f"{k}={v}" for k, v in sorted(labels.items()))}}

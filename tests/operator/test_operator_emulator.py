@@ -4,13 +4,17 @@ it; if these fail, the operator tests prove nothing."""
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.error
 import urllib.request
 from typing import Any
 
+import kubernetes
 import pytest
-from isvc_helpers import Cluster, isvc
-from kmock_compat import EmulatedCluster
+import yaml
+from isvc_helpers import CRD_FILE, Cluster, isvc
+from kmock_cluster import EmulatedCluster
+from kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,3 +92,106 @@ def test_watch_resumes_after_a_resource_version(emulated: EmulatedCluster,
         assert stream.headers["Content-Type"].startswith("application/json")
         event = json.loads(stream.readline())
     assert event["type"] == "ADDED" and event["object"]["metadata"]["name"] == "b"
+
+
+DEPLOY = "/apis/apps/v1/namespaces/serving/deployments"
+
+
+def deployment(name: str = "d", replicas: int = 1) -> dict[str, Any]:
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": "serving"},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels}, "spec": {"containers": [
+                    {"name": "main", "image": "x:1", "args": ["a"],
+                     "env": [{"name": "A", "value": "1"}]},
+                    {"name": "side", "image": "s:1"}]}}}}
+
+
+def test_strategic_merge_patch_and_scale_as_kubectl_sends_them(cluster: Cluster) -> None:
+    """`kubectl set image` (strategic merge: containers merge by name) and `kubectl scale`
+    (the scale subresource) change only what they mean to."""
+    cluster.apps.create_namespaced_deployment("serving", deployment())
+    run_kubectl("set", "image", "deploy/d", "main=evil:2")
+    run_kubectl("scale", "deploy/d", "--replicas=5")
+    run_kubectl("set", "env", "deploy/d", "-c", "main", "B=2")
+    spec = (cluster.child("Deployment", "d") or {})["spec"]
+    assert spec["replicas"] == 5
+    main, side = spec["template"]["spec"]["containers"]
+    assert (main["name"], main["image"], main["args"], side["image"]) == (
+        "main", "evil:2", ["a"], "s:1")
+    assert main["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+    assert "$setElementOrder/containers" not in spec["template"]["spec"]
+    scale = cluster.apps.read_namespaced_deployment_scale("d", "serving")
+    assert scale.spec.replicas == 5 and scale.status.selector == "app=d"
+
+
+def test_the_api_server_refuses_what_kube_apiserver_refuses(emulated: EmulatedCluster,
+                                                            cluster: Cluster) -> None:
+    status, body = request(emulated, "POST", DEPLOY, deployment(replicas=2**31),
+                           "application/json")
+    assert status == 400 and "cannot unmarshal number 2147483648" in body["message"]
+    ingress = {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+               "metadata": {"name": "i"}, "spec": {"rules": [{"host": "Bad_Host!"}]}}
+    path = "/apis/networking.k8s.io/v1/namespaces/serving/ingresses"
+    status, body = request(emulated, "POST", path, ingress, "application/json")
+    assert status == 422 and 'spec.rules[0].host: Invalid value: "Bad_Host!"' in body["message"]
+    emulated.deny("hosts", "ingresses", lambda obj: True, "only corp hosts")
+    ingress["spec"]["rules"][0]["host"] = "llm.example.com"
+    status, body = request(emulated, "POST", path, ingress, "application/json")
+    assert status == 422 and "ValidatingAdmissionPolicy 'hosts'" in body["message"]
+    assert cluster.child("Ingress", "i") is None and cluster.child("Deployment", "d") is None
+    request(emulated, "POST", DEPLOY, deployment(), "application/json")
+    status, _ = request(emulated, "PATCH", f"{DEPLOY}/d", {"spec": {"replicas": 2**31}})
+    assert status == 400 and (cluster.child("Deployment", "d") or {})["spec"]["replicas"] == 1
+
+
+def test_rbac_decides_for_service_accounts(emulated: EmulatedCluster,
+                                           cluster: Cluster) -> None:
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.client)
+    rbac.create_namespaced_role("serving", {"metadata": {"name": "r"}, "rules": [
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list"]},
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]}]})
+    rbac.create_namespaced_role_binding("serving", {
+        "metadata": {"name": "rb"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                                                "kind": "Role", "name": "r"},
+        "subjects": [{"kind": "ServiceAccount", "name": "bot", "namespace": "ops"}]})
+    cluster.apps.create_namespaced_deployment("serving", deployment())
+    def bot(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(kubectl()), "-n", "serving", "--as",
+                               "system:serviceaccount:ops:bot", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    assert bot("get", "deploy", "d", "-o", "name").stdout.strip() == "deployment.apps/d"
+    assert bot("scale", "deploy/d", "--replicas=3").returncode == 0
+    denied = bot("delete", "deploy", "d")
+    assert denied.returncode != 0
+    assert ('deployments.apps "d" is forbidden: User "system:serviceaccount:ops:bot" cannot '
+            'delete resource "deployments"') in denied.stderr
+    assert bot("-n", "default", "get", "deploy").returncode != 0, "a Role is namespaced"
+    decisions = {(a.verb, a.resource, ok) for a, ok in emulated.rbac_decisions(
+        "system:serviceaccount:ops:bot")}
+    assert {("get", "deployments", True), ("patch", "deployments/scale", True),
+            ("delete", "deployments", False)} <= decisions
+
+
+def test_custom_resources_print_their_columns_as_kube_apiserver_does(cluster: Cluster) -> None:
+    """`kubectl get` receives a Table; every cell equals what kubectl's own JSONPath engine
+    finds with the column's jsonPath (so the emulator's JSONPath agrees with client-go's)."""
+    cluster.create(isvc("x", ingress={"host": "x.example.com"}))
+    status = {"phase": "Progressing", "url": "http://x.example.com",
+              "prefill": {"readyReplicas": 1, "desiredReplicas": 1},
+              "conditions": [{"type": "Progressing", "status": "True", "reason": "RollingOut"},
+                             {"type": "Ready", "status": "False", "reason": "PodsNotReady"}]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        "baton.dev", "v1alpha1", "serving", "inferenceservices", "x", {"status": status})
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    cells = table_cells(run_kubectl("get", "bisvc", "x", "-o", "wide"))[0]
+    assert list(cells) == ["NAME", *(c["name"].upper() for c in columns)]
+    for column in columns:
+        if column["type"] != "date":
+            expected = run_kubectl("get", "bisvc", "x", "-o", f"jsonpath={{{column['jsonPath']}}}")
+            assert cells[column["name"].upper()] == expected, column["name"]
+    assert "PodsNotReady" in cells.values() and "http://x.example.com" in cells.values()
+    assert run_kubectl("get", "bisvc", "-o", "name") == "inferenceservice.baton.dev/x\n"

@@ -5,35 +5,17 @@ driven with a real kubectl against the emulated API, following manifests/README.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from isvc_helpers import NAMESPACE, REPO, SAMPLE_FILE, Cluster, wait_for
-from kmock_compat import EmulatedCluster
-from kubectl_tool import kubectl
+from kmock_cluster import EmulatedCluster
+from kubectl_tool import run_kubectl
+from operator_process import running_operator
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -56,37 +38,11 @@ def applied(emulated: EmulatedCluster) -> Cluster:
 
 @pytest.fixture
 def operator_process(applied: Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`baton operator` flags, a one-second resync timer, and its liveness endpoint."""
-    liveness = f"http://127.0.0.1:{free_port()}/healthz"
-    log = tmp_path / "operator.log"
-    env = {**os.environ, "BATON_OPERATOR_RESYNC_SECONDS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "operator", "--standalone",
-             "--namespace", NAMESPACE, f"--liveness={liveness}", "--verbose"],
-            env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: healthy(liveness) or proc.poll() is not None, 30, "operator liveness")
-        assert proc.poll() is None, log.read_text()
+    """`baton operator` flags and a one-second resync timer."""
+    with running_operator(["--standalone", "--namespace", NAMESPACE, "--verbose"],
+                          tmp_path / "operator.log",
+                          {"BATON_OPERATOR_RESYNC_SECONDS": "1"}) as proc:
         yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        text = log.read_text()
-        assert code == 0, text
-        assert "Traceback" not in text, text
-
-
-def run_kubectl(*args: str, namespace: str | None = NAMESPACE) -> str:
-    scope = ["--namespace", namespace] if namespace else []
-    result = subprocess.run([str(kubectl()), *scope, *args],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    return result.stdout
 
 
 def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(

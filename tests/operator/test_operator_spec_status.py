@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from baton_operator.kube import merge_diff
 from baton_operator.spec import InvalidSpec, parse_service
-from baton_operator.status import compute_status, invalid_status, same_status
+from baton_operator.status import (
+    Problem,
+    compute_status,
+    invalid_status,
+    ready_event,
+    same_status,
+)
 
 
 def body(name: str = "llm", **spec: Any) -> dict[str, Any]:
@@ -54,6 +59,12 @@ def test_defaults_match_the_crd() -> None:
     ({"autoscaling": {"router": {"min": 1, "max": 2}}}, "spec.autoscaling.router"),
     ({"autoscaling": {"decode": {"min": 1, "max": 2, "target": 150}}}, "target"),
     ({"ingress": {"className": "nginx"}}, "spec.ingress.host"),
+    ({"ingress": {"host": "Bad_Host!"}}, "spec.ingress.host"),
+    ({"ingress": {"host": "a..b"}}, "spec.ingress.host"),
+    ({"decode": {"replicas": 2**31}}, "spec.decode.replicas"),
+    ({"router": {"replicas": 2**31}}, "spec.router.replicas"),
+    ({"autoscaling": {"decode": {"min": 1, "max": 2**31}}}, "spec.autoscaling.decode.max"),
+    ({"model": {"uri": "hf://o/n", "tokenSecretRef": {"name": "a..b"}}}, "tokenSecretRef.name"),
 ])
 def test_specs_that_can_never_work_are_rejected_with_the_field(spec: dict[str, Any],
                                                                field: str) -> None:
@@ -90,7 +101,8 @@ def test_status_without_children_is_pending() -> None:
     status = compute_status(svc, {}, {}, observed_generation=2, now="t0")
     assert status["phase"] == "Pending"
     assert conditions(status)["Ready"] == ("False", "Updating")
-    assert status["prefill"] == {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0}
+    assert status["prefill"] == {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0,
+                                 "desiredReplicas": 1}
     assert status["url"] == "http://llm.ml.svc.cluster.local:8000"
     assert status["observedGeneration"] == 2
     assert all(c["observedGeneration"] == 2 and c["lastTransitionTime"] == "t0"
@@ -108,7 +120,8 @@ def test_status_ready_when_every_pool_is_ready() -> None:
         "Ready": ("True", "AllPoolsReady"), "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "ReplicasReady"), "RouterReady": ("True", "ReplicasReady"),
         "Progressing": ("False", "Complete"), "Degraded": ("False", "AsExpected")}
-    assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+                                "desiredReplicas": 2}
 
 
 def test_status_pods_not_ready_and_rolling_update() -> None:
@@ -165,10 +178,48 @@ def test_invalid_status_keeps_the_rest() -> None:
     assert {"type": "DecodeReady", "status": "True"} in status["conditions"]
 
 
-# -- merge patches -------------------------------------------------------------------------
+def test_hostnames_and_the_largest_replica_count_are_accepted() -> None:
+    svc = parse_service(body(ingress={"host": "*.llm.example.com"},
+                             decode={"replicas": 2**31 - 1}))
+    assert svc.ingress is not None and svc.ingress.host == "*.llm.example.com"
+    assert svc.decode.replicas == 2**31 - 1
 
-def test_merge_diff_patches_only_what_changed_and_nulls_what_went_away() -> None:
-    old = {"spec": {"replicas": 1, "template": {"a": [1, 2], "b": "x"}, "gone": {"k": 1}}}
-    new = {"spec": {"replicas": 3, "template": {"a": [1, 2], "b": "x"}, "added": True}}
-    assert merge_diff(old, new) == {"spec": {"replicas": 3, "gone": None, "added": True}}
-    assert merge_diff(new, new) == {}
+
+def test_problems_make_one_stable_ready_false_whatever_the_pools_say() -> None:
+    svc = parse_service(body())
+    deps = {"prefill": deployment(1, 1), "decode": deployment(1, 1), "router": deployment(1, 1)}
+    problems = [Problem("NameConflict", "Deployment llm-decode already exists"),
+                Problem("InvalidSpec", "the API server rejected Ingress llm: bad")]
+    status = compute_status(svc, deps, {}, 2, problems, now="t0")
+    assert status["phase"] == "Failed"
+    assert conditions(status)["Ready"] == ("False", "NameConflict")
+    assert conditions(status)["Progressing"] == ("False", "NameConflict")
+    assert conditions(status)["DecodeReady"] == ("True", "ReplicasReady")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == ("Deployment llm-decode already exists; "
+                                "the API server rejected Ingress llm: bad")
+    deps["decode"] = deployment(1, 0)  # pools change: Ready stays as it was, same time
+    again = compute_status(svc, deps, status, 2, problems, now="t1")
+    assert next(c for c in again["conditions"] if c["type"] == "Ready") == ready
+
+
+def ready(status: str, reason: str) -> dict[str, Any]:
+    return {"conditions": [{"type": "Ready", "status": status, "reason": reason,
+                            "message": "m"}]}
+
+
+@pytest.mark.parametrize(("old", "new", "event"), [
+    ({}, ready("False", "Updating"), ("Normal", "Updating", "m")),
+    (ready("False", "Updating"), ready("False", "PodsNotReady"), None),
+    (ready("False", "PodsNotReady"), ready("True", "AllPoolsReady"), ("Normal", "Ready", "m")),
+    (ready("True", "AllPoolsReady"), ready("False", "Updating"), ("Normal", "Updating", "m")),
+    (ready("True", "AllPoolsReady"), ready("False", "PodsNotReady"),
+     ("Warning", "PodsNotReady", "m")),
+    ({}, ready("False", "InvalidSpec"), ("Warning", "InvalidSpec", "m")),
+    (ready("False", "Updating"), ready("False", "NameConflict"), ("Warning", "NameConflict", "m")),
+    (ready("False", "NameConflict"), ready("False", "NameConflict"), None),
+    (ready("False", "NameConflict"), ready("False", "Updating"), ("Normal", "Updating", "m")),
+])
+def test_events_warn_about_problems_and_report_progress_as_normal(
+        old: dict[str, Any], new: dict[str, Any], event: tuple[str, str, str] | None) -> None:
+    assert ready_event(old, new) == event

@@ -1,4 +1,4 @@
-"""Process life cycle: SIGTERM drains and exits 0; disaggregated roles are refused for now."""
+"""Process life cycle: SIGTERM drains and exits 0; bad flags exit 2 before anything starts."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 from tests.server.server_process import BATON, REPO, free_port, start_server
 
 
-def test_prefill_role_is_not_implemented_yet() -> None:
-    r = subprocess.run([str(BATON), "serve", "--role", "prefill"], capture_output=True, text=True,
+def test_unknown_role_is_rejected() -> None:
+    r = subprocess.run([str(BATON), "serve", "--role", "router"], capture_output=True, text=True,
                        cwd=REPO, timeout=60)
-    assert r.returncode == 2 and "not implemented" in r.stderr
+    assert r.returncode == 2 and "--role" in r.stderr
 
 
 def test_bad_flag_value_is_rejected() -> None:

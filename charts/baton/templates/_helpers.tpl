@@ -59,7 +59,54 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
-{{/* Operator image reference; the tag defaults to the chart's appVersion. */}}
+{{/* Operator image reference; the tag defaults to the chart's appVersion (a number is fine). */}}
 {{- define "baton.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) }}
+{{- end }}
+
+{{/* The one namespace the operator watches; empty for all namespaces. */}}
+{{- define "baton.watchNamespace" -}}
+{{- if .Values.watchNamespace }}{{ .Values.watchNamespace }}
+{{- else if .Values.rbac.namespaced }}{{ .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* RBAC rules: exactly the requests the operator sends (tests/operator/test_operator_rbac.py
+     records them against this list). Cluster-wide, kopf also watches CRDs. */}}
+{{- define "baton.rbacRules" -}}
+# The custom resource: kopf lists, watches and patches it (finalizer, annotations); the
+# operator reads it and patches its status.
+- apiGroups: [baton.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [baton.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
+# Owner references with blockOwnerDeletion need this where that admission plugin is on.
+- apiGroups: [baton.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+# The children: written and watched (drift is restored within seconds). Deployments and
+# Services go with their service (garbage collection); the optional kinds are deleted when
+# the spec drops them.
+{{- range list (list "apps" "deployments") (list "" "services") }}
+- apiGroups: [{{ index . 0 | quote }}]
+  resources: [{{ index . 1 }}]
+  verbs: [get, list, watch, create, patch]
+{{- end }}
+{{- range list (list "networking.k8s.io" "ingresses") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") }}
+- apiGroups: [{{ index . 0 | quote }}]
+  resources: [{{ index . 1 }}]
+  verbs: [get, list, watch, create, patch, delete]
+{{- end }}
+# Kubernetes Events about the services.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if not (include "baton.watchNamespace" .) }}
+# kopf notices CRDs created or changed while it runs.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end }}
 {{- end }}

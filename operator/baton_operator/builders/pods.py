@@ -45,6 +45,8 @@ CACHE_ENV: tuple[dict[str, str], ...] = (
 # Workers: model load can take minutes (conversion, cold page cache); 10 s x 90 = 15 min.
 WORKER_STARTUP = {"periodSeconds": 10, "failureThreshold": 90}
 ROUTER_STARTUP = {"periodSeconds": 2, "failureThreshold": 30}
+LIST_KEYS = {"volumeMounts": "mountPath"}  # how `merge` matches list items (default: name)
+DEEP_MERGED = {"containers", "initContainers"}  # matched items merge; others are replaced
 
 
 def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
@@ -109,31 +111,37 @@ def build_router_pod(svc: InferenceService) -> dict[str, Any]:
     return {"metadata": _pod_metadata(svc, "router"), "spec": spec}
 
 
-def merge(base: Any, override: Any) -> Any:
-    """The one merge rule for user templates and env: `override` wins; mappings merge key by
-    key; lists whose items all carry a `name` merge item by item on it (new names are
-    appended, so a template container named "main" merges into the runtime container and
-    any other becomes a sidecar); every other value, lists included, is replaced."""
+def merge(base: Any, override: Any, field: str = "") -> Any:
+    """The one merge rule for user templates and env: `override` wins. Mappings merge key by
+    key. Lists whose items all carry their key (`mountPath` for volumeMounts, else `name`)
+    merge item by item on it and new keys are appended: a container merges into the
+    container of the same name (so a template container "main" merges into the runtime
+    container and any other becomes a sidecar), every other keyed item (a volume, an env var,
+    a port, a mount) is replaced whole, since its source is one thing (an emptyDir and a
+    hostPath never mix). Every other value, lists included, is replaced."""
     if isinstance(base, Mapping) and isinstance(override, Mapping):
         out = {k: copy.deepcopy(v) for k, v in base.items()}
         for key, value in override.items():
-            out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+            out[key] = merge(base[key], value, key) if key in base else copy.deepcopy(value)
         return out
-    if _named_list(base) and _named_list(override):
+    key = LIST_KEYS.get(field, "name")
+    if _keyed_list(base, key) and _keyed_list(override, key):
         merged = [copy.deepcopy(item) for item in base]
-        index = {item["name"]: i for i, item in enumerate(merged)}
+        index = {item[key]: i for i, item in enumerate(merged)}
         for item in override:
-            if item["name"] in index:
-                merged[index[item["name"]]] = merge(merged[index[item["name"]]], item)
-            else:
+            if item[key] not in index:
                 merged.append(copy.deepcopy(item))
+            elif field in DEEP_MERGED:
+                merged[index[item[key]]] = merge(merged[index[item[key]]], item)
+            else:
+                merged[index[item[key]]] = copy.deepcopy(item)
         return merged
     return copy.deepcopy(override)
 
 
-def _named_list(value: Any) -> bool:
+def _keyed_list(value: Any, key: str) -> bool:
     return isinstance(value, list) and all(
-        isinstance(item, Mapping) and isinstance(item.get("name"), str) for item in value)
+        isinstance(item, Mapping) and isinstance(item.get(key), (str, int)) for item in value)
 
 
 def _container(svc: InferenceService, command: list[str], ports: list[dict[str, Any]],
