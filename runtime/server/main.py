@@ -4,14 +4,16 @@ Start-up: spawn the scheduler (it loads the model and runs a warm-up forward), l
 start uvicorn; `/ready` turns 200 when the scheduler reports ready. SIGTERM/SIGINT: uvicorn stops
 accepting and gives in-flight requests `--shutdown-grace-s` to finish, then the scheduler aborts
 whatever is left, frees its KV and exits; the process exits 0 (1 if the scheduler died).
+IPC sockets live in a directory named after our pid; one left by a killed server is removed at
+the next start.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -19,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from runtime.config import ServerArgs
+from runtime.lifecycle import make_ipc_dir
 from runtime.server.args import parse_server_args
 from runtime.server.metrics import Metrics
 from runtime.server.tokenizer_manager import TokenizerManager
@@ -46,7 +49,7 @@ def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
 
     proc = mp.get_context("spawn").Process(
         target=run_scheduler_process,
-        args=(args, tm.to_scheduler, tm.from_scheduler),
+        args=(args, tm.to_scheduler, tm.from_scheduler, os.getpid()),
         name="baton-scheduler",
         daemon=True,
     )
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [http] %(message)s"
     )
-    ipc_dir = tempfile.mkdtemp(prefix="baton-ipc-")
+    ipc_dir = make_ipc_dir()
     try:
         return _serve(args, ipc_dir)
     finally:
