@@ -26,6 +26,7 @@ from runtime.lifecycle import die_with_parent
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    DrainRequest,
     GenerateRequest,
     Message,
     ReqOutput,
@@ -171,6 +172,8 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             if self.role.abort(msg.rid, msg.message):
                 self.need_step = True
+        elif isinstance(msg, DrainRequest):
+            self.scheduler.drain()
         elif isinstance(msg, ShutdownRequest):
             for rid in list(self.active):
                 self.role.abort(rid, msg.message)

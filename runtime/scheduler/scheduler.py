@@ -30,6 +30,7 @@ from runtime.scheduler.streamer import OutputStreamer
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT_S = 600.0  # one forward pass taking longer than this is a hang, not work
+DRAIN_CHUNK_TOKENS = 256  # prefill chunk while draining: a step stays short, aborts land soon
 
 
 class Scheduler:
@@ -55,6 +56,7 @@ class Scheduler:
         self.last_extend: ScheduleBatch | None = None
         self.pending: Launched | None = None  # overlap: the step launched but not processed
         self.new_token_ratio = config.new_token_ratio
+        self.prefill_budget = config.chunked_prefill_size  # tokens per prefill step
         self.future_map = FutureMap(config.max_running_requests)
         self.worker = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
@@ -125,6 +127,11 @@ class Scheduler:
         self.kv.release(req)
         self._aborted.append(req)
         return True
+
+    def drain(self) -> None:
+        """The server is shutting down: prefill in small chunks from now on, so each step is
+        short and an abort waits for one small chunk at most, not a long prompt's."""
+        self.prefill_budget = min(self.prefill_budget, DRAIN_CHUNK_TOKENS)
 
     def kv_fence(self) -> int:
         """A fence for KV written from outside the forward thread (decode role: a transfer
@@ -272,7 +279,7 @@ class Scheduler:
         running = self.running.reqs
         adder = PrefillAdder(
             self.kv,
-            token_budget=self.config.chunked_prefill_size,
+            token_budget=self.prefill_budget,
             max_new_reqs=self.config.max_running_requests - len(running),
             reserved_tokens=decode_reserve_tokens(running, self.new_token_ratio),
             ratio=self.new_token_ratio,

@@ -38,6 +38,7 @@ log = logging.getLogger("baton.server")
 
 
 LOADING = "the model is still loading"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class SchedulerUnavailable(RuntimeError):
@@ -77,7 +78,7 @@ class TokenizerManager:
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._actx.socket(zmq.PULL)
         self._reader: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
 
     # ---- life cycle -------------------------------------------------------------------------
     def bind(self) -> None:
@@ -86,26 +87,15 @@ class TokenizerManager:
         self._pull.bind(self.from_scheduler)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._reader = self._loop.create_task(self._read_loop())
+        self.loop = asyncio.get_running_loop()
+        self._reader = self.loop.create_task(self._read_loop())
 
-    def stop_accepting(self, grace_s: float) -> None:
-        """Draining: new requests get 503; in-flight ones get `grace_s` to finish, then are
-        aborted so their streams end cleanly (finish_reason abort). Signal-handler safe."""
-        self.unavailable = "the server is shutting down"
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._abort_all_later, grace_s)
-
-    def _abort_all_later(self, delay_s: float) -> None:
-        asyncio.get_running_loop().call_later(delay_s, self.abort_all)
-
-    def abort_all(self, message: str = "the server is shutting down") -> None:
+    def abort_all(self, message: str = SHUTTING_DOWN) -> None:
         for rid in list(self.states):
             self.abort(rid, message)
 
     def shutdown_scheduler(self) -> None:
-        self.unavailable = "the server is shutting down"
+        self.unavailable = SHUTTING_DOWN
         with contextlib.suppress(SchedulerUnavailable):
             self.send(ShutdownRequest())
 
@@ -119,6 +109,10 @@ class TokenizerManager:
         """Fail every request the scheduler still owed us; serve 503s from now on."""
         self.unavailable = why
         self.ready.clear()
+        self.end_all(why)
+
+    def end_all(self, why: str) -> None:
+        """End every request in flight here with the abort finish, without the scheduler."""
         reason = {"type": "abort", "matched": None, "message": why}
         for state in list(self.states.values()):
             self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
