@@ -9,10 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
 
 from tests.router.conftest import RouterThread, stop_all
 from tests.router.fake_worker import FakeWorker
 from tests.server import hostile_cases as hc
+from tests.server.hostile_cases import HOSTILE_SETTINGS, check_hostile, hostile_bodies
 from tests.server.test_errors import CASES as ERROR_CASES
 
 PD = tuple[RouterThread, FakeWorker, FakeWorker]
@@ -85,3 +87,18 @@ def test_what_needs_the_model_reaches_the_workers(pd: PD) -> None:
         r = router.client.post(case.path, content=case.body, headers=case.headers)
         assert r.status_code == 200, r.text  # the stand-ins accept anything
     assert len(p.received) == len(d.received) == len(passed)
+
+
+def test_fuzzed_hostile_values_get_the_servers_answer(pd: PD, client: httpx.Client) -> None:
+    """The server's fuzz of surrogates and non-finite numbers anywhere, through both doors."""
+    router, p, d = pd
+
+    @HOSTILE_SETTINGS
+    @given(case=hostile_bodies())
+    def run(case: tuple[str, bytes, str, str]) -> None:
+        path, raw, param, needle = case
+        check_hostile(router.client, path, raw, param, needle)
+        _same(router, client, path, raw, hc.JSON_HEADERS)
+
+    run()
+    assert not p.received and not d.received and not p.aborts

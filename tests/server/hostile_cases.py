@@ -11,6 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+
 GEN, COMP, CHAT, ABORT = "/generate", "/v1/completions", "/v1/chat/completions", "/abort"
 MODEL = "smollm2"
 MSG = [{"role": "user", "content": "hi"}]
@@ -165,3 +169,103 @@ ALL = SURROGATES + NON_FINITE + UNSUPPORTED + CONTEXT + CONTENT_TYPE
 
 def ids(cases: list[Case]) -> list[str]:
     return [c.name for c in cases]
+
+
+# ---- the same, fuzzed (hypothesis): what no OpenAPI schema describes ---------------------------
+# Valid bodies with every kind of string and number field; one leaf (or a new key, or a value
+# wrapped in a list or an object) is replaced by a lone UTF-16 surrogate or a non-finite number.
+BASES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"model": "smollm2", "prompt": ["Hi", "there"], "max_tokens": 2,
+                         "stop": ["x", "y"], "user": "u", "temperature": 0.5, "top_p": 0.9,
+                         "seed": 3, "logit_bias": {"5": 1.5}, "rid": "r", "suffix": ""}),
+    ("/v1/chat/completions", {
+        "model": "smollm2", "max_tokens": 2, "stop": "x", "presence_penalty": 0.1,
+        "frequency_penalty": 0.1, "response_format": {"type": "text"}, "tool_choice": "none",
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": "n"}]}),
+    ("/generate", {"text": "Hi", "rid": "g", "bootstrap_host": "h", "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0.7, "stop": ["a"], "repetition_penalty": 1.1,
+        "min_p": 0.1, "top_k": 5}}),
+    ("/abort", {"rid": "x"}),
+]
+LITERALS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
+_MARK = "__non_finite_{}__"
+
+
+def _locations(value: Any, loc: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a body: its leaves and containers (the body itself is ())."""
+    found = [loc]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _locations(item, (*loc, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _locations(item, (*loc, i))
+    return found
+
+
+def _put(body: Any, loc: tuple[Any, ...], value: Any) -> None:
+    for step in loc[:-1]:
+        body = body[step]
+    body[loc[-1]] = value
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(x).encode("utf-8", "backslashreplace").decode() for x in loc)
+
+
+@st.composite
+def hostile_bodies(draw: st.DrawFn) -> tuple[str, bytes, str, str]:
+    """(path, raw JSON body, the param the 400 must name, a word its message must hold)."""
+    path, base = draw(st.sampled_from(BASES))
+    body = json.loads(json.dumps(base))
+    where = draw(st.sampled_from(_locations(body)))
+    surrogate = draw(st.integers(0xD800, 0xDFFF).map(chr))
+    target: Any = body
+    for step in where:
+        target = target[step]
+    if draw(st.booleans()) and isinstance(target, dict):  # a new key, or a key that is bad
+        if draw(st.booleans()):
+            key = draw(st.text(max_size=3)) + surrogate
+            target[key] = 1
+            return path, _raw(body), _dotted((*where, key)), "surrogate"
+        where = (*where, "extra")
+    elif not where:
+        where = ("extra",)
+    if draw(st.booleans()):
+        bad: Any = draw(st.text(max_size=4)) + surrogate + draw(st.text(max_size=4))
+        needle = "surrogate"
+    else:
+        needle = draw(st.sampled_from(LITERALS))
+        bad = _MARK.format(LITERALS.index(needle))
+    wrap = draw(st.sampled_from(["bare", "list", "object"]))
+    if wrap == "list":
+        bad = [bad]
+        param_loc = (*where, 0)
+    elif wrap == "object":
+        bad = {"k": bad}
+        param_loc = (*where, "k")
+    else:
+        param_loc = where
+    _put(body, where, bad)
+    return path, _raw(body), _dotted(param_loc), needle
+
+
+def _raw(body: Any) -> bytes:
+    text = json.dumps(body, ensure_ascii=True)
+    for i, literal in enumerate(LITERALS):
+        text = text.replace(f'"{_MARK.format(i)}"', literal)
+    return text.encode()
+
+
+def check_hostile(client: httpx.Client, path: str, raw: bytes, param: str, needle: str) -> None:
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (path, raw[:300], r.status_code, r.text[:300])
+    assert r.headers.get("connection") != "close", r.headers
+    error = r.json()["error"]
+    assert error["param"] == param, (raw[:300], error)
+    assert needle.lower() in error["message"].lower(), error
+
+
+HOSTILE_SETTINGS = settings(max_examples=200, derandomize=True, deadline=None, database=None,
+                            suppress_health_check=list(HealthCheck), phases=[Phase.generate])

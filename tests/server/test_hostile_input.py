@@ -42,7 +42,7 @@ def test_lone_surrogates_are_a_400_naming_the_field(client: httpx.Client, case: 
     check(client, case)
 
 
-def _http(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
+def exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 exchange on an open socket: (status, headers, body)."""
     sock.sendall(request)
     data = b""
@@ -64,9 +64,9 @@ def test_the_connection_survives_a_hostile_request(server: ServerProcess) -> Non
     post = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        status, headers, _ = _http(sock, post)
+        status, headers, _ = exchange(sock, post)
         assert status == 400 and headers.get("connection") != "close", headers
-        status, _, answer = _http(sock, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, answer = exchange(sock, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200 and json.loads(answer) == {"status": "ok"}
 
 

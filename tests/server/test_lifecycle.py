@@ -186,13 +186,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _ready_statuses(srv: ServerProcess) -> list[int]:
+    """Poll /ready until it is 200; the statuses it answered (none while not listening)."""
+    statuses: list[int] = []
+    _wait(lambda: _probe(srv, statuses), 180, "/ready", srv)
+    return statuses
+
+
+def _probe(srv: ServerProcess, statuses: list[int]) -> bool:
+    assert srv.proc.poll() is None, srv.log()
+    try:
+        statuses.append(httpx.get(f"{srv.url}/ready", timeout=2).status_code)
+    except httpx.HTTPError:
+        return False
+    return statuses[-1] == 200
+
+
 def test_sigkill_of_the_http_process_under_load_leaves_nothing(
         tiny_path: Path, tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"  # the servers' temp dir: their IPC directories are made here
     tmp.mkdir()
     env = {"TMPDIR": str(tmp)}
-    srv = start_server("--served-model-name", "tiny", model=str(tiny_path), env=env,
-                       log_path=tmp_path / "killed.log")
+    srv = ServerProcess("--served-model-name", "tiny", model=str(tiny_path), env=env,
+                        log_path=tmp_path / "killed.log")
+    probes = _ready_statuses(srv)
+    # item 5 on the way: the probe's 503s while loading are answers, not errors
+    assert probes[-1] == 200 and 503 in probes, probes
+    assert 'baton_http_errors_total{status="503"}' not in httpx.get(f"{srv.url}/metrics").text
     clients = [Client("/generate", {"text": f"Request {i}:", "stream": True, "sampling_params": {
         "max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}) for i in range(8)]
     threads = [c.run(srv.url) for c in clients]

@@ -3,13 +3,20 @@
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 
 import httpx
 import pytest
+from starlette.types import Receive, Scope, Send
 
+from runtime.server.metrics import Metrics
+from runtime.server.middleware import ErrorGuard
+from tests.router.server_thread import ServerThread
 from tests.server.server_process import ServerProcess
 from tests.server.test_concurrency import _wait_idle
+from tests.server.test_hostile_input import exchange
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -62,3 +69,22 @@ def test_http_errors_are_counted_by_status(server: ServerProcess, client: httpx.
     assert client.post("/v1/completions", json={"model": "smollm2"}).status_code == 400
     assert {s: errors(s) - before[s] for s in before} == {400: 1, 404: 1, 405: 1, 413: 1, 415: 1}
     assert client.get("/ready").status_code == 200 and client.get("/health").status_code == 200
+
+
+async def _crash(scope: Scope, receive: Receive, send: Send) -> None:
+    """An app with a bug: every request raises before it answers."""
+    raise RuntimeError("a bug")
+
+
+def test_an_unhandled_error_is_a_counted_json_500_on_a_connection_that_survives() -> None:
+    metrics = Metrics()
+    server = ServerThread(ErrorGuard(_crash, metrics=metrics)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            for _ in range(2):  # the second goes over the same keep-alive connection
+                status, headers, body = exchange(sock, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert status == 500 and headers.get("connection") != "close", headers
+                assert json.loads(body)["error"]["message"] == "internal error: a bug"
+    finally:
+        server.stop()
+    assert metric(metrics.render().decode(), "baton_http_errors_total", '{status="500"}') == 2
