@@ -65,9 +65,10 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pages_land_exactly_where_asked(name: str, dtype: torch.dtype) -> None:
     src, dst = pool(16, dtype), pool(40, dtype)
-    untouched = [p for p in range(40) if p not in (3, 39, 0, 17, 18)]
+    # runs on both sides (5-7 -> 2-4, 14-15 -> 17-18), runs on one side only, gaps, any order
+    src_pages, dst_pages = [5, 6, 7, 0, 15, 14, 15, 9], [2, 3, 4, 39, 0, 17, 18, 19]
+    untouched = [p for p in range(40) if p not in dst_pages]
     before = [t.clone() for t in dst.k + dst.v]
-    src_pages, dst_pages = [5, 6, 7, 0, 15], [3, 39, 0, 17, 18]  # runs and gaps, any order
     move(name, src, dst, src_pages, dst_pages)
     assert pages_equal(src, src_pages, dst, dst_pages)
     after = dst.k + dst.v
