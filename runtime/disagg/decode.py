@@ -236,6 +236,11 @@ class DecodeRole(Generic[R]):
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
 
+    def landing(self) -> bool:
+        """Some room's RoomDone came before the backend's own signal (nixl's notification is
+        handled by its progress thread): it lands within moments."""
+        return any(r.room.state is RoomState.TRANSFERRING for r in self.rooms.values())
+
     def close(self) -> None:
         self.receiver.close()
         self.workers.shutdown(wait=False, cancel_futures=True)

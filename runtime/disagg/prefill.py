@@ -266,6 +266,9 @@ class PrefillRole(Generic[R]):
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
 
+    def landing(self) -> bool:
+        return False
+
     def close(self) -> None:
         if self.bootstrap is not None:
             self.bootstrap.close()

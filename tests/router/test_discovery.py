@@ -53,6 +53,9 @@ def test_dns_workers_join_and_leave_as_records_change(workers: Any) -> None:
         wait_for(lambda: ready_counts(router)["prefill"] == 2, what="the new prefill")
         for i in range(2):
             router.client.post("/generate", json={"text": "x", "rid": f"both{i}"})
+        # the client has the decode's answer; the prefill's call may still be on its way
+        wait_for(lambda: all(p1.got(r) or p2.got(r) for r in ("both0", "both1")),
+                 what="both prefill calls")
         assert {p1.got("both0"), p1.got("both1")} == {True, False}
         assert p2.generation().body["bootstrap_host"] == "127.0.0.2"
 
