@@ -36,6 +36,9 @@ class SamplingBatchInfo:
     presence_penalties: torch.Tensor | None = None  # [B] float32
     # Requests whose penalty state starts here (their sampling extend): row -> tokens seen so far.
     penalty_resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # OpenAI logit_bias (None when no request in the batch has one): [N] row indices, [N] token
+    # ids and [N] float32 biases, added to the row's logits before sampling.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Identity of each row for backends that key on it (token oracle, canary; seed 002), set only
     # when the sampler asks for it: [B] int64 rid hashes, and rooms with -1 for none.
     rids_int: torch.Tensor | None = None

@@ -33,6 +33,12 @@ class AbortRequest:
 
 
 @dataclass
+class DrainRequest:
+    """The server is draining (SIGTERM): keep each step short from now on (small prefill
+    chunks), so the aborts that come when the grace period ends take effect soon."""
+
+
+@dataclass
 class ShutdownRequest:
     """Abort whatever is still in flight, free its KV, and exit the scheduler process."""
 
@@ -153,6 +159,7 @@ class BatchOutput:
 Message = (
     GenerateRequest
     | AbortRequest
+    | DrainRequest
     | ShutdownRequest
     | SchedulerReady
     | SchedulerStats
@@ -164,6 +171,7 @@ Message = (
 MESSAGE_TYPES: tuple[type, ...] = (
     GenerateRequest,
     AbortRequest,
+    DrainRequest,
     ShutdownRequest,
     SchedulerReady,
     SchedulerStats,

@@ -14,8 +14,8 @@ from typing import Any
 from runtime.config import EngineConfig, SchedulerConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.messages import ReqOutput
+from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from runtime.tokenizer import load_tokenizer
 

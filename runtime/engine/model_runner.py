@@ -98,6 +98,11 @@ class ModelRunner:
             if batch.mode == "decode":
                 self.penalties.accumulate(batch.req_pool_indices, batch.input_ids)
             sample_logits = self.penalties.apply(logits, batch.req_pool_indices, info)
+        if info.logit_bias is not None:
+            rows, tokens, biases = info.logit_bias
+            biases = biases.to(sample_logits.device, sample_logits.dtype)
+            where = (rows.to(sample_logits.device), tokens.to(sample_logits.device))
+            sample_logits = sample_logits.index_put(where, biases, accumulate=True)
         out = self.sampler.sample(sample_logits, info)
         result = ForwardOutput(out.next_token_ids, customized_info=out.customized_info)
         if batch.return_logprob:

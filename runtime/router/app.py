@@ -82,7 +82,8 @@ class Router:
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
-            req = parse_request(endpoint, await request.body())
+            req = parse_request(endpoint, await request.body(),
+                                request.headers.get("content-type"))
             prefill, decode = self.pick(req.prompt)
         except RouterError as e:
             self.metrics.on_request(endpoint, e.status)
@@ -96,7 +97,7 @@ class Router:
     async def abort(self, request: Request) -> JSONResponse:
         """`POST /abort {"rid"}` goes to every known worker (a rid lives on one pair; the
         others answer that they do not know it)."""
-        rid = parse_abort(await request.body())
+        rid = parse_abort(await request.body(), request.headers.get("content-type"))
         targets = self.workers.all()
         for worker in targets:
             self.proxy.abort(worker, rid)

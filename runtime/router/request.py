@@ -2,22 +2,36 @@
 
 Both sides get the client's JSON body plus `rid`, `bootstrap_host`, `bootstrap_port` and
 `bootstrap_room`; the prefill side also gets `"stream": false` and no `stream_options`.
+The body is checked first with the workers' own checks and request models
+(`runtime.validation`, `runtime.protocol`): what `baton serve` rejects, the router rejects
+the same way before any worker sees it. Only what needs the model (its name, the tokenizer, the
+context window) is left to the workers, whose 4xx reaches the client as is.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from runtime.protocol import (
+    AbortBody,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateBody,
+)
 from runtime.router.errors import RouterError
 from runtime.router.workers import Worker
+from runtime.validation import InvalidRequest, describe_errors, parse_json_body
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (GENERATE, COMPLETIONS, CHAT)
 MAX_CHOICES = 1024  # far above what a worker accepts (n <= 16, 16 prompts); bounds the rooms
+MODELS: dict[str, type[GenerateBody | CompletionRequest | ChatCompletionRequest]] = {
+    GENERATE: GenerateBody, COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
 
 
 @dataclass(frozen=True)
@@ -40,22 +54,38 @@ class PDRequest:
         return {**body, "stream": False}
 
 
-def parse_request(endpoint: str, raw: bytes) -> PDRequest:
-    """The client's body, checked only as far as routing needs; the workers validate the rest
-    (their 4xx reaches the client as is)."""
-    body = _json_object(raw)
+def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> PDRequest:
+    """The client's body, checked as `baton serve` checks it (a RouterError otherwise), with
+    the routing fields added."""
+    body = _json_object(raw, content_type)
+    validate(endpoint, body)
     body["rid"] = _rid(endpoint, body)
     if body.get("bootstrap_room") is None:  # a room the client chose is kept as is
         body["bootstrap_room"] = new_rooms(choice_count(endpoint, body))
     return PDRequest(endpoint, body, prompt_text(endpoint, body))
 
 
-def parse_abort(raw: bytes) -> str:
+def parse_abort(raw: bytes, content_type: str | None) -> str:
     """The rid of `POST /abort {"rid": X}`."""
-    rid = _json_object(raw).get("rid")
-    if not isinstance(rid, str) or not rid:
-        raise RouterError(400, "rid must be a non-empty string", param="rid")
-    return rid
+    body = _json_object(raw, content_type)
+    try:
+        return AbortBody.model_validate(body).rid
+    except ValidationError as e:
+        raise rejected(describe_errors(e.errors())) from None
+
+
+def validate(endpoint: str, body: dict[str, Any]) -> None:
+    """Check `body` with the worker's request model for `endpoint`, as the worker does."""
+    try:
+        MODELS[endpoint].model_validate(body).check()
+    except ValidationError as e:
+        raise rejected(describe_errors(e.errors())) from None
+    except InvalidRequest as e:
+        raise rejected(e) from None
+
+
+def rejected(e: InvalidRequest) -> RouterError:
+    return RouterError(e.status, str(e), code=e.code, param=e.field)
 
 
 def new_rooms(count: int) -> int | list[int]:
@@ -98,19 +128,11 @@ def _prompt_count(prompt: Any) -> int:
     return 1  # one text, one token-id list, or something the worker rejects
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def _json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
-        raise RouterError(400, f"malformed JSON body: {e}", code="json_invalid") from None
-    if not isinstance(body, dict):
-        raise RouterError(400, f"the body must be a JSON object, not {type(body).__name__}",
-                          code="json_invalid")
-    return body
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+        return parse_json_body(raw, content_type)
+    except InvalidRequest as e:
+        raise rejected(e) from None
 
 
 def _rid(endpoint: str, body: dict[str, Any]) -> str:

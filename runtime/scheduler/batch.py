@@ -141,4 +141,10 @@ def build_sampling_info(
         info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params])
         info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params])
         info.presence_penalties = torch.tensor([p.presence_penalty for p in params])
+    if any(p.logit_bias for p in params):
+        entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        rows, tokens, biases = zip(*entries, strict=True)
+        info.logit_bias = (torch.tensor(rows, dtype=torch.int64),
+                           torch.tensor(tokens, dtype=torch.int64),
+                           torch.tensor(biases, dtype=torch.float32))
     return info

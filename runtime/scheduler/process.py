@@ -20,12 +20,13 @@ from dataclasses import asdict
 
 import zmq
 
-from runtime.codec import decode, encode
+from runtime.codec import decode
 from runtime.config import ServerArgs
 from runtime.lifecycle import die_with_parent
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    DrainRequest,
     GenerateRequest,
     Message,
     ReqOutput,
@@ -34,6 +35,7 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
+from runtime.scheduler.outbox import HttpGone, Outbox
 from runtime.scheduler.roles import ColocatedRole, Role, build_role
 
 log = logging.getLogger("baton.scheduler")
@@ -68,14 +70,14 @@ class WakePipe:
 
 
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], send: zmq.Socket[bytes]) -> None:
+    def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], outbox: Outbox) -> None:
         from runtime.engine.engine import tail_decoder
         from runtime.engine.model_runner import ModelRunner
         from runtime.scheduler.scheduler import Scheduler
         from runtime.scheduler.streamer import OutputStreamer
         from runtime.tokenizer import load_tokenizer
 
-        self.recv, self.send = recv, send
+        self.recv, self.outbox = recv, outbox
         sched_cfg = args.scheduler
         self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests)
         self.tokenizer = load_tokenizer(self.runner.model_path)
@@ -92,14 +94,13 @@ class SchedulerLoop:
         self.active: set[str] = set()
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
-        self.parent_pid = os.getppid()
         self.stopping = False
 
     # ---- start-up ---------------------------------------------------------------------------
     def warm_up(self) -> None:
         """One short greedy request through the whole path, so the first client pays nothing."""
+        from runtime.sampling_params import SamplingParams
         from runtime.scheduler.req import Req
-        from runtime.scheduler.sampling_params import SamplingParams
 
         ids = self.tokenizer.encode("Warm-up: the quick brown fox")
         req = Req("warmup", ids, SamplingParams(max_new_tokens=2, temperature=0.0))
@@ -146,6 +147,8 @@ class SchedulerLoop:
     def _step(self) -> None:
         try:
             self.scheduler.step()
+        except HttpGone:
+            raise
         except Exception as e:
             log.exception("scheduler step failed; aborting %d requests", len(self.active))
             reason = {"type": "abort", "matched": None, "message": f"internal error: {e}"}
@@ -157,10 +160,8 @@ class SchedulerLoop:
         ready = dict(self.poller.poll(wait_ms)) if wait_ms else {self.recv: zmq.POLLIN}
         if self.wakeup.r in ready:
             self.wakeup.drain()
+        self.outbox.check_parent()  # every breath: no orphan keeps generating for nobody
         if not ready:
-            if os.getppid() != self.parent_pid:
-                log.warning("HTTP process is gone; exiting")
-                self.stopping = True
             return
         while True:
             try:
@@ -175,6 +176,8 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             if self.role.abort(msg.rid, msg.message):
                 self.need_step = True
+        elif isinstance(msg, DrainRequest):
+            self.scheduler.drain()
         elif isinstance(msg, ShutdownRequest):
             for rid in list(self.active):
                 self.role.abort(rid, msg.message)
@@ -185,8 +188,8 @@ class SchedulerLoop:
 
     def _add(self, msg: GenerateRequest) -> None:
         from runtime.disagg.rooms import RoomError
+        from runtime.sampling_params import InvalidRequest, SamplingParams
         from runtime.scheduler.req import Req
-        from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
 
         try:
             if msg.rid in self.active:
@@ -255,7 +258,7 @@ class SchedulerLoop:
         )
 
     def _send(self, msg: Message) -> None:
-        self.send.send(encode(msg))
+        self.outbox.send(msg)
 
     def close(self) -> None:
         self.role.close()
@@ -263,10 +266,12 @@ class SchedulerLoop:
         self.wakeup.close()
 
 
-def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None:
-    """Process entry (spawn). Exits 0 after a ShutdownRequest or when the parent is gone."""
+def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Process entry (spawn). Exits 0 after a ShutdownRequest or when the HTTP process (pid
+    `parent_pid`) is gone: SIGKILLed with it on Linux, else at the next breath or send."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent decides
-    die_with_parent(signal.SIGKILL)  # a killed HTTP process leaves nobody to serve: go at once
+    # a killed HTTP process leaves nobody to serve: go at once (even if it died before this)
+    die_with_parent(signal.SIGKILL, parent=parent_pid)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [scheduler] %(message)s"
     )
@@ -277,15 +282,17 @@ def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str) -> None
     recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     recv.connect(in_addr)
     send.connect(out_addr)
-    send.setsockopt(zmq.LINGER, 2000)
+    outbox = Outbox(send, parent_pid)
     log.info("loading %s (%s)", args.model, asdict(args.engine))
-    loop = SchedulerLoop(args, recv, send)
+    loop = SchedulerLoop(args, recv, outbox)
     try:
         loop.warm_up()
         log.info("model loaded and warmed up")
         loop.run()
+    except HttpGone as e:
+        log.warning("%s; exiting", e)
     finally:
         loop.close()
         recv.close(0)
-        send.close()
+        outbox.close()
         ctx.term()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams
 
 FinishKind = Literal["stop", "length", "abort"]
 

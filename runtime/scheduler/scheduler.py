@@ -19,17 +19,18 @@ from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.config import SchedulerConfig
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.messages import ReqOutput
+from runtime.sampling_params import InvalidRequest
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.prefill import PrefillAdder, decode_reserve_tokens
 from runtime.scheduler.req import FinishReason, Req
 from runtime.scheduler.runner import Handoff, Launched, Runner
-from runtime.scheduler.sampling_params import InvalidRequest
 from runtime.scheduler.streamer import OutputStreamer
 
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT_S = 600.0  # one forward pass taking longer than this is a hang, not work
+DRAIN_CHUNK_TOKENS = 256  # prefill chunk while draining: a step stays short, aborts land soon
 
 
 class Scheduler:
@@ -55,6 +56,7 @@ class Scheduler:
         self.last_extend: ScheduleBatch | None = None
         self.pending: Launched | None = None  # overlap: the step launched but not processed
         self.new_token_ratio = config.new_token_ratio
+        self.prefill_budget = config.chunked_prefill_size  # tokens per prefill step
         self.future_map = FutureMap(config.max_running_requests)
         self.worker = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
@@ -81,6 +83,10 @@ class Scheduler:
             )
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.runner.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {self.runner.vocab_size})", "input_ids")
+        bias = req.sampling_params.logit_bias
+        if bias and bias[-1][0] >= self.runner.vocab_size:  # sorted: the last id is the largest
+            raise InvalidRequest(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
+                                 f"[0, {self.runner.vocab_size})", "logit_bias")
         need = min(n + req.sampling_params.max_new_tokens, self.runner.context_len)
         capacity = self.kv.allocator.num_pages * self.kv.page_size
         if need > capacity:
@@ -121,6 +127,11 @@ class Scheduler:
         self.kv.release(req)
         self._aborted.append(req)
         return True
+
+    def drain(self) -> None:
+        """The server is shutting down: prefill in small chunks from now on, so each step is
+        short and an abort waits for one small chunk at most, not a long prompt's."""
+        self.prefill_budget = min(self.prefill_budget, DRAIN_CHUNK_TOKENS)
 
     def kv_fence(self) -> int:
         """A fence for KV written from outside the forward thread (decode role: a transfer
@@ -268,7 +279,7 @@ class Scheduler:
         running = self.running.reqs
         adder = PrefillAdder(
             self.kv,
-            token_budget=self.config.chunked_prefill_size,
+            token_budget=self.prefill_budget,
             max_new_reqs=self.config.max_running_requests - len(running),
             reserved_tokens=decode_reserve_tokens(running, self.new_token_ratio),
             ratio=self.new_token_ratio,

@@ -5,8 +5,10 @@ scheduler holds it and calls `emit` with the requests a step touched (seed 004).
 
 When a request emits:
 - it finished (any reason), always;
-- streaming: its first token (time to first token), then whenever `len(output_ids)` is a multiple
-  of its stream interval (the request's `stream_interval`, else the server's);
+- its first token, at once, streaming or not: the HTTP process times the first token (TTFT)
+  when it arrives;
+- streaming: whenever `len(output_ids)` is a multiple of its stream interval (the request's
+  `stream_interval`, else the server's);
 - non-streaming: whenever `len(output_ids)` is a multiple of `forced_interval`, so the HTTP
   process never holds nothing for a long generation.
 Each output carries only what is new since the request's previous one (`Req.sent_len`).
@@ -45,8 +47,8 @@ class OutputStreamer:
         n = len(req.output_ids)
         if n <= req.sent_len:
             return False
-        if req.stream and req.sent_len == 0:
-            return True  # the first token goes out at once
+        if req.sent_len == 0:
+            return True  # the first token goes out at once (its arrival is the TTFT)
         return n % self.interval(req) == 0
 
     def emit(self, reqs: list[Req]) -> list[ReqOutput]:

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, error handlers, the body-size limit, and the scheduler watchdog."""
+"""The FastAPI app: routes, error handlers, middleware, and the scheduler watchdog."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.config import ServerArgs
 from runtime.server import native_api, openai_api
-from runtime.server.errors import ApiError, error_body, error_response, install_error_handlers
+from runtime.server.errors import ApiError, error_body, install_error_handlers
 from runtime.server.metrics import Metrics
+from runtime.server.middleware import BodyLimit, ErrorGuard
 from runtime.server.sse import ClientGone
 from runtime.server.tokenizer_manager import LOADING, TokenizerManager
 
@@ -35,36 +34,6 @@ class ProcessHandle(Protocol):
     def is_alive(self) -> bool: ...
     def join(self, timeout: float | None = None) -> None: ...
     def terminate(self) -> None: ...
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 (declared or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            resp = error_response(self._too_large())
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPException(413, self._too_large().message)
-            return msg
-
-        await self.app(scope, limited, send)
-
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"request body is larger than {self.max_bytes} bytes",
-                        code="body_too_large")
 
 
 async def _watch(app: FastAPI, proc: ProcessHandle, request_exit: Callable[[], None]) -> None:
@@ -121,6 +90,7 @@ def create_app(
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)
+    app.add_middleware(ErrorGuard, metrics=tm.metrics)  # added last: the outermost
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     _add_probes(app, tm)

@@ -51,7 +51,8 @@ class Delta:
 
 class Generation:
     def __init__(
-        self, tm: TokenizerManager, req: GenerateRequest, index: int, timeout: float
+        self, tm: TokenizerManager, req: GenerateRequest, index: int, timeout: float,
+        group: str | None = None,
     ) -> None:
         sp = req.sampling_params
         stop = sp.get("stop") or ()
@@ -66,7 +67,7 @@ class Generation:
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
         )
         self.finished = False
-        self.state: ReqState = tm.submit(req)
+        self.state: ReqState = tm.submit(req, group)
 
     async def next(self) -> Delta:
         """The next delta; raises InvalidRequest if the scheduler refused the request."""
@@ -141,15 +142,16 @@ def failed_handoff(role: str, deltas: list[Delta]) -> str | None:
 
 
 async def start(
-    tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float
+    tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float, group: str | None = None
 ) -> tuple[list[Generation], list[Delta]]:
-    """Submit every request and wait for each one's first delta, so that a refusal (an
-    InvalidRequest from the scheduler) still becomes a 4xx before any response starts, and a
-    disaggregated request whose KV handoff failed becomes a 502 (KVTransferFailed)."""
+    """Submit every request (the choices of one OpenAI request share its id as `group`) and wait
+    for each one's first delta, so that a refusal (an InvalidRequest from the scheduler) still
+    becomes a 4xx before any response starts, and a disaggregated request whose KV handoff
+    failed becomes a 502 (KVTransferFailed)."""
     gens: list[Generation] = []
     try:
         for i, req in enumerate(reqs):
-            gens.append(Generation(tm, req, i, timeout))
+            gens.append(Generation(tm, req, i, timeout, group))
         firsts = await gather_or_cancel([g.next() for g in gens])
     except BaseException:
         for gen in gens:

@@ -1,17 +1,19 @@
 """`baton serve`: the HTTP process (uvicorn + FastAPI) and one scheduler process (spawn).
 
 Start-up: spawn the scheduler (it loads the model and runs a warm-up forward), load the tokenizer,
-start uvicorn; `/ready` turns 200 when the scheduler reports ready. SIGTERM/SIGINT: uvicorn stops
-accepting and gives in-flight requests `--shutdown-grace-s` to finish, then the scheduler aborts
-whatever is left, frees its KV and exits; the process exits 0 (1 if the scheduler died).
+start uvicorn; `/ready` turns 200 when the scheduler reports ready. SIGTERM/SIGINT: drain
+(runtime/server/drain.py: new requests and /ready get 503, in-flight ones get
+`--shutdown-grace-s`, then end with the abort finish), then uvicorn stops and the scheduler frees
+its KV and exits; the process exits 0 (1 if the scheduler died). IPC sockets live in a
+directory named after our pid; one left by a killed server is removed at the next start.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -19,26 +21,34 @@ from types import FrameType
 import uvicorn
 
 from runtime.config import ServerArgs
+from runtime.lifecycle import make_ipc_dir
 from runtime.server.args import parse_server_args
+from runtime.server.drain import begin_drain
 from runtime.server.metrics import Metrics
 from runtime.server.tokenizer_manager import TokenizerManager
 
 log = logging.getLogger("baton.server")
 
+SHUTDOWN_WRITE_S = 5
+
 
 class _Server(uvicorn.Server):
-    """uvicorn, except that a SIGTERM/SIGINT it handled gracefully ends in exit code 0 (uvicorn
-    re-raises the signal after shutting down), and /ready turns 503 as soon as draining starts."""
+    """uvicorn, except that the first SIGTERM/SIGINT drains (runtime.server.drain) with the
+    listener still open, so `/ready` answers 503 meanwhile, and only then shuts uvicorn down; a
+    second signal shuts it down without waiting for the drain. A signal handled so ends in exit
+    code 0 (uvicorn re-raises it after shutting down)."""
 
-    on_exit: Callable[[], None] | None = None
+    begin_drain: Callable[[], bool] | None = None  # True: draining, it ends with should_exit
+    draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            log.info("signal %d: draining in-flight requests (grace period)", sig)
+        if not self.draining and not self.should_exit and self.begin_drain is not None:
+            self.draining = self.begin_drain()
+            if self.draining:
+                log.info("signal %d: draining in-flight requests (grace period)", sig)
+                return
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
-        if self.on_exit is not None:
-            self.on_exit()
 
 
 def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
@@ -46,7 +56,7 @@ def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
 
     proc = mp.get_context("spawn").Process(
         target=run_scheduler_process,
-        args=(args, tm.to_scheduler, tm.from_scheduler),
+        args=(args, tm.to_scheduler, tm.from_scheduler, os.getpid()),
         name="baton-scheduler",
         daemon=True,
     )
@@ -69,15 +79,17 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        # after the grace period the TokenizerManager aborts what is left; this is a backstop
-        timeout_graceful_shutdown=int(args.shutdown_grace_s) + 10,
+        # uvicorn shuts down once the drain has ended every request: the handlers only have
+        # their last bytes to write (a backstop, or the wait after a second signal)
+        timeout_graceful_shutdown=SHUTDOWN_WRITE_S,
         access_log=False,
     )
     server = _Server(config)
-    server.on_exit = lambda: tm.stop_accepting(args.shutdown_grace_s)
 
     def request_exit() -> None:
         server.should_exit = True
+
+    server.begin_drain = lambda: begin_drain(tm, args.shutdown_grace_s, request_exit)
 
     app = create_app(args, tm, proc, request_exit)
     config.app = app
@@ -94,7 +106,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s [http] %(message)s"
     )
-    ipc_dir = tempfile.mkdtemp(prefix="baton-ipc-")
+    ipc_dir = make_ipc_dir()
     try:
         return _serve(args, ipc_dir)
     finally:

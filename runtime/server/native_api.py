@@ -15,14 +15,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.messages import GenerateRequest
-from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
+from runtime.protocol import AbortBody, GenerateBody
+from runtime.sampling_params import SamplingParams
 from runtime.server import sse
 from runtime.server.errors import error_body
 from runtime.server.generation import Delta, Generation, finish, interleave, start
-from runtime.server.protocol import AbortBody, GenerateBody, check_int64
+from runtime.server.json_route import JsonRoute
 from runtime.server.tokenizer_manager import TokenizerManager
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 
 def result(rid: str, d: Delta) -> dict[str, Any]:
@@ -45,17 +46,17 @@ def result(rid: str, d: Delta) -> dict[str, Any]:
 
 
 def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
-    try:
-        check_int64(body.sampling_params or {}, "sampling_params")
-    except ValueError as e:
-        raise InvalidRequest(str(e), "sampling_params") from None
-    SamplingParams.from_dict(body.sampling_params)  # fail fast, naming the field
+    body.check()  # fail fast, naming the field
     [room] = body.rooms(tm.args.role, 1)
     ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
+    params = dict(body.sampling_params or {})
+    params["max_new_tokens"] = tm.budget(
+        len(ids), params.get("max_new_tokens"), SamplingParams.max_new_tokens,
+        "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
     return GenerateRequest(
         rid=body.rid or uuid.uuid4().hex,
         input_ids=ids,
-        sampling_params=dict(body.sampling_params or {}),
+        sampling_params=params,
         stream=body.stream,
         return_logprob=body.return_logprob or body.top_logprobs_num > 0,
         top_logprobs_num=body.top_logprobs_num,

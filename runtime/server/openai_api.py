@@ -15,15 +15,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.messages import GenerateRequest
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.sampling_params import SamplingParams
 from runtime.server import openai_format as fmt
 from runtime.server import sse
 from runtime.server.errors import ApiError, error_body
 from runtime.server.generation import Delta, Generation, finish, interleave, start
-from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.server.json_route import JsonRoute
 from runtime.server.tokenizer_manager import TokenizerManager
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 
 def _tm(request: Request) -> TokenizerManager:
@@ -38,16 +39,16 @@ def check_model(tm: TokenizerManager, name: str) -> None:
 
 def _requests(
     tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
-    max_new: int | None, top_logprobs: int | None,
+    max_new: int | None, top_logprobs: int | None, fields: tuple[str, str],
 ) -> list[GenerateRequest]:
+    """One scheduler request per choice; `fields` name the max-tokens field the client used
+    and its prompt (for a context overflow's 400)."""
     base = body.rid or uuid.uuid4().hex
     rooms = body.rooms(tm.args.role, len(prompts) * body.n)
     reqs = []
-    # No max_tokens: up to the context, or what the KV pool can hold for one request.
-    space = min(tm.info.context_len, tm.info.kv_capacity_tokens) if tm.info else 1
     for p, ids in enumerate(prompts):
+        budget = tm.budget(len(ids), max_new, body.DEFAULT_MAX_TOKENS, *fields)
         for j in range(body.n):
-            budget = max_new if max_new is not None else max(1, space - len(ids))
             params = body.sampling_params(budget, seed_offset=j)
             SamplingParams.from_dict(params)  # fail fast, naming the field
             i = p * body.n + j
@@ -71,14 +72,15 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     tm = _tm(request)
+    body.check()
     check_model(tm, body.model)
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-    reqs = _requests(tm, body, prompts, body.max_tokens, body.logprobs)
+    reqs = _requests(tm, body, prompts, body.max_tokens, body.logprobs, ("max_tokens", "prompt"))
     prompt_tokens = sum(len(p) for p in prompts)
-    gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
-    rid = f"cmpl-{reqs[0].rid.rsplit('-', 1)[0]}"
+    group = reqs[0].rid.rsplit("-", 1)[0]
+    gens, firsts = await sse.until_disconnect(
+        request, start(tm, reqs, tm.args.request_timeout_s, group))
+    rid = f"cmpl-{group}"
     if body.stream:
         events = _completion_events(tm, body, gens, firsts, rid, prompt_tokens)
         return sse.sse_response(events)
@@ -111,12 +113,16 @@ async def _completion_events(
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     tm = _tm(request)
+    body.check()
     check_model(tm, body.model)
     ids = tm.encode_chat([m.flat() for m in body.messages])
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = _requests(tm, body, [ids], body.max_new_tokens, top)
-    gens, firsts = await sse.until_disconnect(request, start(tm, reqs, tm.args.request_timeout_s))
-    rid = f"chatcmpl-{reqs[0].rid.rsplit('-', 1)[0]}"
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    reqs = _requests(tm, body, [ids], body.max_new_tokens, top, (asked, "messages"))
+    group = reqs[0].rid.rsplit("-", 1)[0]
+    gens, firsts = await sse.until_disconnect(
+        request, start(tm, reqs, tm.args.request_timeout_s, group))
+    rid = f"chatcmpl-{group}"
     if body.stream:
         return sse.sse_response(_chat_events(tm, body, gens, firsts, rid, len(ids)))
     deltas = await sse.until_disconnect(request, finish(gens, firsts))

@@ -31,13 +31,14 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
-from runtime.scheduler.sampling_params import InvalidRequest
 from runtime.server.metrics import Metrics
+from runtime.validation import InvalidRequest, context_overflow
 
 log = logging.getLogger("baton.server")
 
 
 LOADING = "the model is still loading"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class SchedulerUnavailable(RuntimeError):
@@ -51,6 +52,7 @@ class RequestTimeout(TimeoutError):
 @dataclass(eq=False)
 class ReqState:
     rid: str
+    group: str | None = None  # an OpenAI request's id, shared by its choices
     outputs: list[ReqOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: RequestError | None = None
@@ -76,7 +78,7 @@ class TokenizerManager:
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._actx.socket(zmq.PULL)
         self._reader: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
 
     # ---- life cycle -------------------------------------------------------------------------
     def bind(self) -> None:
@@ -85,26 +87,15 @@ class TokenizerManager:
         self._pull.bind(self.from_scheduler)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._reader = self._loop.create_task(self._read_loop())
+        self.loop = asyncio.get_running_loop()
+        self._reader = self.loop.create_task(self._read_loop())
 
-    def stop_accepting(self, grace_s: float) -> None:
-        """Draining: new requests get 503; in-flight ones get `grace_s` to finish, then are
-        aborted so their streams end cleanly (finish_reason abort). Signal-handler safe."""
-        self.unavailable = "the server is shutting down"
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._abort_all_later, grace_s)
-
-    def _abort_all_later(self, delay_s: float) -> None:
-        asyncio.get_running_loop().call_later(delay_s, self.abort_all)
-
-    def abort_all(self, message: str = "the server is shutting down") -> None:
+    def abort_all(self, message: str = SHUTTING_DOWN) -> None:
         for rid in list(self.states):
             self.abort(rid, message)
 
     def shutdown_scheduler(self) -> None:
-        self.unavailable = "the server is shutting down"
+        self.unavailable = SHUTTING_DOWN
         with contextlib.suppress(SchedulerUnavailable):
             self.send(ShutdownRequest())
 
@@ -118,6 +109,10 @@ class TokenizerManager:
         """Fail every request the scheduler still owed us; serve 503s from now on."""
         self.unavailable = why
         self.ready.clear()
+        self.end_all(why)
+
+    def end_all(self, why: str) -> None:
+        """End every request in flight here with the abort finish, without the scheduler."""
         reason = {"type": "abort", "matched": None, "message": why}
         for state in list(self.states.values()):
             self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
@@ -135,14 +130,36 @@ class TokenizerManager:
             raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def budget(self, prompt_tokens: int, asked: int | None, default: int, field: str,
+               prompt_field: str) -> int:
+        """max_new_tokens of a request: what it asked for, if the prompt and that fit the
+        context (else a 400 with the numbers, as vLLM answers), or `default` clipped to what
+        fits. `field` and `prompt_field` are the client's names for them."""
+        if self.info is None:  # not ready: submit() answers 503
+            return asked or default
+        context = self.info.context_len
+        overflow = context_overflow(prompt_tokens, asked or 1, context, field, prompt_field)
+        if overflow is not None:
+            raise overflow
+        capacity = self.info.kv_capacity_tokens
+        if asked is not None and prompt_tokens + asked > capacity:
+            raise InvalidRequest(
+                f"the prompt ({prompt_tokens} tokens) + {field} ({asked}) needs more KV than "
+                f"the pool holds ({capacity} tokens); lower {field} or raise --max-total-tokens",
+                field)
+        if asked is not None:
+            return asked
+        room = min(context, capacity) - prompt_tokens
+        return max(1, min(default, room))
+
     # ---- requests ---------------------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> ReqState:
+    def submit(self, req: GenerateRequest, group: str | None = None) -> ReqState:
         if self.unavailable is not None:
             raise SchedulerUnavailable(self.unavailable)
         if req.rid in self.states:
             raise InvalidRequest(f"request id {req.rid!r} is already running", "rid")
         self.send(req)
-        state = self.states[req.rid] = ReqState(req.rid)
+        state = self.states[req.rid] = ReqState(req.rid, group)
         self.metrics.inflight.set(len(self.states))
         return state
 
@@ -157,10 +174,11 @@ class TokenizerManager:
         return True
 
     def abort_matching(self, rid: str, message: str) -> bool:
-        """Abort `rid`, or every choice of it (`rid-0`, `rid-1`, ...); an OpenAI response id
-        (`cmpl-X`, `chatcmpl-X`) names the request X. True if anything was aborted."""
+        """Abort the request `rid`, or every choice of the OpenAI request it names: by the id
+        the client was given (`cmpl-X`, `chatcmpl-X`) or the rid the request came with (`X`).
+        Nothing else: a rid "job" is not the request "job-2". True if anything was aborted."""
         base = rid.removeprefix("chatcmpl-").removeprefix("cmpl-")
-        targets = [r for r in self.states if r in (rid, base) or r.startswith(f"{base}-")]
+        targets = [s.rid for s in self.states.values() if s.rid == rid or s.group in (rid, base)]
         return any([self.abort(r, message) for r in targets])
 
     async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:

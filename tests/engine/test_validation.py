@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from runtime import Engine
-from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.sampling_params import InvalidRequest
 
 
 @pytest.fixture(scope="module")

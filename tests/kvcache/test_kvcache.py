@@ -7,8 +7,8 @@ import pytest
 from runtime.kvcache.allocator import OutOfPages, PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import SamplingParams
 
 
 def test_allocator_alloc_free_and_double_free() -> None:

@@ -15,9 +15,9 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.model_runner import ModelRunner
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import SamplingParams
 
 COMMON: dict[str, Any] = dict(
     vocab_size=49152,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from runtime.config import SchedulerConfig
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_runner import FakeRunner, expected_outputs
 from tests.scheduler.test_scheduler import make_req

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from runtime.config import SchedulerConfig
+from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.req import Req
-from runtime.scheduler.sampling_params import InvalidRequest, SamplingParams
-from runtime.scheduler.scheduler import Scheduler
+from runtime.scheduler.scheduler import DRAIN_CHUNK_TOKENS, Scheduler
 from tests.scheduler.fake_runner import FakeRunner, expected_outputs
 
 FUZZ_SEEDS = int(os.environ.get("BATON_FUZZ_SEEDS", "8"))  # 300 passed locally
@@ -87,6 +87,24 @@ def test_chunked_prefill_respects_token_budget(overlap: bool) -> None:
     assert len(extends) >= 4  # 30 tokens in chunks of at most 8
     assert_correct(reqs)
     assert runner.kv.is_all_free()
+
+
+def test_draining_shrinks_the_prefill_chunks_of_a_prompt_under_way() -> None:
+    """Issue 12, item 4: once the server drains, a step never prefills more than
+    DRAIN_CHUNK_TOKENS, so the aborts at the end of the grace period wait for one short step."""
+    runner = FakeRunner(num_pages=512, page_size=16, context_len=8192)
+    sched = Scheduler(SchedulerConfig(chunked_prefill_size=2048, enable_overlap=False), runner)
+    req = make_req("long", 6000, 2)
+    sched.add_request(req)
+    sched.step()
+    assert runner.batches[-1].extend_lens == [2048]
+    sched.drain()
+    sched.step()
+    assert runner.batches[-1].extend_lens == [DRAIN_CHUNK_TOKENS]
+    assert sched.abort("long", "the server is shutting down")
+    sched.step()
+    assert req.finished_reason is not None and req.finished_reason.kind == "abort"
+    assert not sched.has_work() and runner.kv.is_all_free()
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -16,7 +16,7 @@ MSG = [{"role": "user", "content": "hi"}]
 CASES: list[tuple[str, str, Any, int, str]] = [
     # (name, path, json body or raw bytes, status, text the message must contain)
     ("malformed-json", COMP, b'{"model": "smollm2", "prompt": ', 400, "JSON"),
-    ("not-an-object", COMP, b"[1, 2, 3]", 400, "dictionary"),
+    ("not-an-object", COMP, b"[1, 2, 3]", 400, "JSON object"),
     ("missing-prompt", COMP, {"model": "smollm2"}, 400, "prompt"),
     ("missing-model", CHAT, {"messages": MSG}, 400, "model"),
     ("ill-typed-max-tokens", COMP, {"model": "smollm2", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
@@ -29,7 +29,8 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("bad-role", CHAT, {"model": "smollm2", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("empty-prompt", COMP, {"model": "smollm2", "prompt": ""}, 400, "prompt"),
     ("prompt-too-long", COMP, {"model": "smollm2", "prompt": "hello " * 9000, "max_tokens": 4}, 400, "context"),
-    ("too-many-new-tokens", COMP, {"model": "smollm2", "prompt": "x", "max_tokens": 100000}, 400, "max_new_tokens"),
+    ("too-many-new-tokens", COMP, {"model": "smollm2", "prompt": "x", "max_tokens": 100000}, 400, "maximum context length"),
+    ("kv-pool-too-small", COMP, {"model": "smollm2", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens (5000)"),
     ("huge-int", COMP, {"model": "smollm2", "prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
     ("echo", COMP, {"model": "smollm2", "prompt": "x", "echo": True}, 400, "echo"),
     ("both-prompts", "/generate", {"text": "x", "input_ids": [1]}, 400, "exactly one"),

@@ -1,6 +1,9 @@
 """Fuzz the server's OpenAPI spec with schemathesis: positive and negative cases for every
 operation. Nothing may be a 5xx, every error is our JSON shape, and the server keeps serving.
-Bounded and deterministic: a fixed number of examples per operation, derandomized."""
+Then what a schema cannot describe (issue 12): a lone UTF-16 surrogate or a non-finite number
+(NaN, Infinity, 1e999) in any field, key or nesting of valid bodies is a 400 naming the field,
+on a connection that stays open. Bounded and deterministic: a fixed number of examples,
+derandomized."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from runtime.scheduler.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams
+from tests.server.hostile_cases import HOSTILE_SETTINGS, check_hostile, hostile_bodies
 from tests.server.server_process import ServerProcess
 
 EXAMPLES = 12
@@ -90,3 +94,13 @@ def test_fuzz_openapi(server: ServerProcess, schema: Any, mode: schemathesis.Gen
     run()
     assert not failures, "\n".join(failures[:10])
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_surrogates_and_non_finite_numbers_anywhere_are_a_400(client: httpx.Client) -> None:
+    @HOSTILE_SETTINGS
+    @given(case=hostile_bodies())
+    def run(case: tuple[str, bytes, str, str]) -> None:
+        check_hostile(client, *case)
+
+    run()
+    assert client.get("/health").status_code == 200

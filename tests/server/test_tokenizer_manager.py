@@ -11,7 +11,7 @@ import pytest
 
 from runtime.config import ServerArgs
 from runtime.messages import BatchOutput, GenerateRequest, ReqOutput, RequestError, SchedulerStats
-from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.sampling_params import InvalidRequest
 from runtime.server.generation import Generation, finish, start
 from runtime.server.metrics import Metrics
 from runtime.server.tokenizer_manager import TokenizerManager

@@ -1,21 +1,24 @@
 """Pydantic request models: OpenAI completions / chat completions and the native /generate.
 
 Strict types (no "5" for 5), bounded integers (everything that crosses to the scheduler fits an
-int64), and the OpenAI field names; sglang's sampling extras are accepted alongside.
+int64), and the OpenAI field names; sglang's sampling extras are accepted alongside. What types
+cannot say is in each model's `check()`: OpenAI fields we do not implement are a 400 naming them
+(not a 200 as if absent), and pairs of fields that only make sense together.
+Torch-free: `baton router` validates with these same models before it fans a request out.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from runtime.scheduler.sampling_params import InvalidRequest
+from runtime.sampling_params import SamplingParams
+from runtime.validation import InvalidRequest
 
 INT64_MAX = (1 << 63) - 1
 MAX_TOKENS_LIMIT = (1 << 31) - 1
-
-
 
 def _integral(value: Any) -> Any:
     """JSON has one number type: 3.0 is the integer 3 (JSON Schema agrees); 3.5 stays an error."""
@@ -33,7 +36,7 @@ Stop = str | Annotated[list[str], Field(max_length=16)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -88,6 +91,23 @@ class SamplingFields(Bootstrap):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     skip_special_tokens: bool | None = None
     stream_interval: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), _INTEGRAL] | None = None
+    logit_bias: dict[str, Any] | None = None  # checked by SamplingParams (token id -> bias)
+
+    # max_tokens absent or null: this many (clipped to what fits): sglang's default, 128
+    DEFAULT_MAX_TOKENS: ClassVar[int] = SamplingParams.max_new_tokens
+    # OpenAI fields we do not implement: field -> "this value asks for nothing" (else a 400)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any, Any], bool], str]]] = {}
+
+    def check(self) -> None:
+        """What the types cannot say; raises InvalidRequest naming the field."""
+        for name, (harmless, why) in self.UNSUPPORTED.items():
+            if not harmless(getattr(self, name), self):
+                raise InvalidRequest(f"not supported: {name} ({why})", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true",
+                                 "stream_options")
+        if self.logit_bias:
+            _sampling_params({"logit_bias": self.logit_bias}, prefix="")
 
     def sampling_params(self, max_new_tokens: int | None, seed_offset: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -98,7 +118,7 @@ class SamplingFields(Bootstrap):
         for name in (
             "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-            "stream_interval",
+            "stream_interval", "logit_bias",
         ):
             params[name] = getattr(self, name)
         return {k: v for k, v in params.items() if v is not None}
@@ -112,6 +132,19 @@ def _wrap_int64(x: int) -> int:
     return (x + INT64_MAX + 1) % (1 << 64) - INT64_MAX - 1
 
 
+def _sampling_params(raw: dict[str, Any] | None, prefix: str) -> SamplingParams:
+    """SamplingParams.from_dict, its error's field under `prefix` ("sampling_params.")."""
+    try:
+        return SamplingParams.from_dict(raw)
+    except InvalidRequest as e:
+        field = f"{prefix}{e.field}" if e.field else prefix.rstrip(".") or None
+        raise InvalidRequest(str(e), field, e.status) from None
+
+
+def _absent(value: Any, _: Any = None) -> bool:
+    return value is None or value == [] or value == "none"
+
+
 Prompt = (
     Annotated[str, Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
@@ -122,9 +155,18 @@ Prompt = (
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: MaxTokens | None = 16
+    max_tokens: MaxTokens | None = None  # None (absent or null): DEFAULT_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=20), _INTEGRAL] | None = None
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
+
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's documented default
+    UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any, Any], bool], str]]] = {
+        "best_of": (lambda v, r: v is None or v == r.n, "every choice generated is returned"),
+        "suffix": (lambda v, _: v is None or v == "", "no text insertion"),
+        "echo": (lambda v, _: v is False, "the prompt is not echoed"),
+    }
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -157,6 +199,22 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20), _INTEGRAL] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any, Any], bool], str]]] = {
+        name: (_absent, "this server does not call tools or functions")
+        for name in ("tools", "tool_choice", "functions", "function_call")
+    } | {"response_format": (lambda v, _: v is None or v == {"type": "text"},
+                             'only {"type": "text"}: no JSON mode or schema yet')}
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -178,6 +236,14 @@ class GenerateBody(Bootstrap):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
         return self
+
+    def check(self) -> SamplingParams:
+        """The sampling params, validated (errors name `sampling_params.FIELD`)."""
+        try:
+            check_int64(self.sampling_params or {}, "sampling_params")
+        except ValueError as e:
+            raise InvalidRequest(str(e), "sampling_params") from None
+        return _sampling_params(self.sampling_params, prefix="sampling_params.")
 
 
 class AbortBody(_Strict):

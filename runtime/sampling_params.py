@@ -6,19 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.validation import InvalidRequest, check_values
 
-class InvalidRequest(ValueError):
-    """Bad input from a client. `field` names the offending parameter; servers map it to a 4xx
-    (`status`: 400, or 409 for a bootstrap room already in use)."""
+__all__ = ["InvalidRequest", "SamplingParams"]
 
-    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.field = field
-        self.status = status
-
-    @property
-    def code(self) -> str:
-        return "room_in_use" if self.status == 409 else "invalid_request"
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on one token's bias
 
 
 @dataclass(frozen=True)
@@ -37,6 +29,8 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     stream_interval: int | None = None  # None: the server's --stream-interval
+    # (token id, bias) pairs added to the logits before sampling (OpenAI `logit_bias`)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -54,6 +48,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
         raw = dict(raw or {})
+        check_values(raw)  # NaN, Infinity, lone surrogates: a 400 naming the field
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -119,6 +114,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
             raise InvalidRequest(f"stop must be a string or a list of strings, got {value!r}", name)
         return tuple(items)
+    if name == "logit_bias":
+        return _logit_bias(value)
     if name == "stop_token_ids":
         if not isinstance(value, list | tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
@@ -126,3 +123,28 @@ def _coerce(name: str, value: Any) -> Any:
             raise InvalidRequest(f"stop_token_ids must be a list of token ids, got {value!r}", name)
         return tuple(value)
     return value
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` (JSON keys are strings) as sorted (id, bias) pairs."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {value!r}",
+                             "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        token = _token_id(key)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not (
+                -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise InvalidRequest(f"logit_bias[{key!r}] must be a number in [-100, 100], "
+                                 f"got {bias!r}", "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _token_id(key: Any) -> int:
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 31:
+        raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), "
+                             f"got {key!r}", "logit_bias")
+    return key
