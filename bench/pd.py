@@ -59,11 +59,13 @@ def receiver_main(backend: str, conn: Connection) -> None:
     transfer = create_transfer(backend, pool, "bench-decode")
     receiver = KVReceiver("127.0.0.1", transfer, lambda: None)
     conn.send((transfer.local_info(), receiver.port))
+    transfer.expect(1)  # the sender numbers its rooms 1, 2, ...
     while True:
         frame = receiver.frames.get()
         if isinstance(frame, RoomDone):
             while not transfer.landed(frame.aux.room):
                 time.sleep(0.0001)
+            transfer.expect(frame.aux.room + 1)
             conn.send(frame.aux.room)
 
 

@@ -147,6 +147,7 @@ class DecodeRole(Generic[R]):
             if r.fence is not None and self.scheduler.fence_passed(r.fence):
                 request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
                                       len(r.req.origin_input_ids), list(r.req.kv_pages))
+                self.transfer.expect(r.room.room)
                 r.registering = self.workers.submit(self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
             elif r.room.waited() > self.config.bootstrap_timeout_s:

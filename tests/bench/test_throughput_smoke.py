@@ -33,7 +33,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=90,
+        cwd=REPO, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "throughput.png").stat().st_size > 0

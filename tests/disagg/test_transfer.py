@@ -46,6 +46,7 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
             assert isinstance(frame, PagesFrame)
             receiver.read_pages(frame, b)
 
+    receiver.expect(77)
     t = threading.Thread(target=receive)
     t.start()
     nbytes = sender.write("decode", a, 77, src_pages, dst_pages)

@@ -73,6 +73,9 @@ class KVTransfer(ABC):
         """A PagesFrame arrived on a link: put its payload into the pool (tcp backend only)."""
         raise TransferError(f"{self.name} backend got a PagesFrame; peers disagree on the backend")
 
+    def expect(self, room: int) -> None:  # noqa: B027 - optional hook
+        """`room`'s pages may be written from now on (until it landed or is discarded)."""
+
     @abstractmethod
     def landed(self, room: int) -> bool:
         """True once every page of `room` is in place by this backend's own signal."""

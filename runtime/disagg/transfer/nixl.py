@@ -4,7 +4,13 @@ Both sides register every pool buffer once. A transfer is one WRITE whose descri
 room's runs of pages that are adjacent on both sides (a run of n pages of one buffer is one
 descriptor of n pages' bytes: UCX pays per descriptor, ~10 us each with cma on loopback, so a
 fresh pool's one run of 256 pages is 60 descriptors, not 15 360), with the room id as its
-notification. The decode side counts a room landed when that
+notification.
+
+Progress: nixl's own progress thread (pthrDelay 0, not settable from Python) kept a core busy
+in every process with a connected peer, idle or not; on a 2-core host that made PD decode ~1.8x
+slower per token. So the agent runs without it: the prefill progresses its WRITE by polling its
+state, and the decode progresses only while it expects KV (`expect(room)` until it landed),
+from a small thread that polls notifications every PROGRESS_S. The decode side counts a room landed when that
 notification arrives (the prefill also sends RoomDone on the link after the WRITE completes).
 Host memory (DRAM) on CPU, device memory (VRAM) where the pool is on a GPU.
 """
@@ -25,6 +31,7 @@ from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.kvcache.pool import KVPool
 
 WRITE_TIMEOUT_S = 60.0
+PROGRESS_S = 0.0005  # decode side: poll for notifications this often while a room is expected
 
 
 @dataclass
@@ -58,7 +65,8 @@ class NixlTransfer(KVTransfer):
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
         self.mem, self.dev = _mem_type(pool)
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False,
+                                                              backends=["UCX"]))
         self._lock = threading.Lock()  # one caller into the agent at a time
         self.page_bytes = self.layout.page_bytes
         buffers = self.buffers()
@@ -66,6 +74,12 @@ class NixlTransfer(KVTransfer):
         self.addrs = [b.data_ptr() for b in buffers]
         self.peers: dict[str, _Peer] = {}
         self._landed: set[int] = set()
+        self._expected: set[int] = set()
+        self._wake = threading.Event()
+        self._closed = False
+        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
+                                          daemon=True)
+        self._progress.start()
 
     def _descs(self, addrs: list[int], dev: int, starts: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """Nx3 (address, bytes, device) rows: each run of every buffer, in buffer order."""
@@ -135,18 +149,42 @@ class NixlTransfer(KVTransfer):
             with self._lock:
                 state = self.agent.check_xfer_state(handle)
 
-    def landed(self, room: int) -> bool:
+    def expect(self, room: int) -> None:
         with self._lock:
-            notifs = self.agent.get_new_notifs()
-        for messages in notifs.values():
-            for msg in messages:
-                if msg.isdigit():
-                    self._landed.add(int(msg))
-        return room in self._landed
+            self._expected.add(room)
+        self._wake.set()
+
+    def _progress_loop(self) -> None:
+        while not self._closed:
+            if not self._expected:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            self._poll()
+            time.sleep(PROGRESS_S)
+
+    def _poll(self) -> None:
+        """Progress the agent and take the notifications (rooms whose WRITE completed)."""
+        with self._lock:
+            for messages in self.agent.get_new_notifs().values():
+                for msg in messages:
+                    if msg.isdigit():
+                        self._landed.add(int(msg))
+                        self._expected.discard(int(msg))
+
+    def landed(self, room: int) -> bool:
+        self._poll()
+        with self._lock:
+            return room in self._landed
 
     def discard(self, room: int) -> None:
-        self._landed.discard(room)
+        with self._lock:
+            self._landed.discard(room)
+            self._expected.discard(room)
 
     def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._progress.join(2)
         for peer in list(self.peers):
             self.forget(peer)
