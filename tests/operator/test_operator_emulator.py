@@ -12,9 +12,10 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from isvc_helpers import CRD_FILE, Cluster, isvc
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import kubectl, run_kubectl, table_cells
+
+from tests.kube.isvc_helpers import CRD_FILE, Cluster, isvc
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(60)
 

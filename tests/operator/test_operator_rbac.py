@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 from baton_operator.manifests import render_chart
-from isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl
-from operator_process import running_operator
+
+from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import run_kubectl
+from tests.kube.operator_process import running_operator
 
 pytestmark = pytest.mark.timeout(150)
 RELEASE_NAMESPACE = "baton-system"

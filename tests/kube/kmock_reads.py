@@ -3,17 +3,20 @@ discovery with a stable preferred version per group and CRDs registered when cre
 in name order with kind and resourceVersion, server-side Tables of a CRD's printer columns
 (kmock_table) for lists, single objects and watches, and watches that resume after a
 resourceVersion without losing an event (the bus is marked under the snapshot's lock), sent
-as application/json. Subresources answer to no short name (kubectl warned of ambiguity)."""
+as application/json. Lists and watches honour `?labelSelector=` (equality, inequality and
+existence: `a=b,c!=d,e,!f`; set-based `in`/`notin` are refused with a 400). Subresources answer
+to no short name (kubectl warned of ambiguity)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import kmock
-import kmock_table
 from kmock._internal import enums
+
+from tests.kube import kmock_table
 
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 
@@ -66,8 +69,9 @@ class ReadingEmulator(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         assert request.resource is not None
         resource, info = request.resource, self._resource_info(request.resource)
-        items = sorted(result["items"], key=lambda obj: (  # etcd's key order, as listed
-            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))
+        selected = label_filter(request)
+        items = sorted((obj for obj in result["items"] if selected(obj)), key=lambda obj: (
+            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))  # etcd's order
         if self._table_columns(request) is not None:
             return self._table(request, items)
         kind = info.kind or str(resource.plural).capitalize()
@@ -102,24 +106,49 @@ class ReadingEmulator(kmock.KubernetesEmulator):
         yield b""
         assert request.resource is not None
         since = request.params.get("resourceVersion", "")
+        selected = label_filter(request)
         async with self._lock:
             mark = await self._buses[request.resource].mark()
             objects = [obj.raw for obj in self._KubernetesEmulator__get_objs(request, strict=False)
                        if not obj.deleted]
         for obj in objects:
             version = obj.get("metadata", {}).get("resourceVersion", "0")
-            if not (since.isdigit() and int(version) <= int(since)):
+            if selected(obj) and not (since.isdigit() and int(version) <= int(since)):
                 yield self._watch_event(request, {"type": "ADDED", "object": obj})
         async for event in mark:
             meta = event.get("object", {}).get("metadata", {})
-            if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"),
-                                               meta.get("name"), strict=False):
+            if selected(event.get("object") or {}) and self._KubernetesEmulator__check(
+                    request, request.resource, meta.get("namespace"), meta.get("name"),
+                    strict=False):
                 yield self._watch_event(request, event)
 
     def _watch_event(self, request: kmock.Request, event: dict[str, Any]) -> dict[str, Any]:
         if self._table_columns(request) is None:
             return event
         return {"type": event["type"], "object": self._table(request, [event["object"]])}
+
+
+def label_filter(request: kmock.Request) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether an object matches the request's `?labelSelector=` (everything without one)."""
+    terms = [t.strip() for t in request.params.get("labelSelector", "").split(",") if t.strip()]
+    for term in terms:
+        if re.search(r"\s(not)?in\s", f" {term} ") or "(" in term:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", details={},
+                                        message=f"set-based selector {term!r} is not emulated")
+
+    def matches(obj: Mapping[str, Any]) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        for term in terms:
+            key, op, value = re.fullmatch(r"(!?[^!=]+)(?:(!=|==|=)(.*))?", term).groups()  # type: ignore[union-attr]
+            if op is None:
+                present = key.lstrip("!") in labels
+                if present == key.startswith("!"):
+                    return False
+            elif (labels.get(key) == value) != (op in ("=", "==")):
+                return False
+        return True
+
+    return matches
 
 
 def _version_priority(version: str) -> tuple[int, int, int]:

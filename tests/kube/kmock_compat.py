@@ -18,7 +18,7 @@ On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this ad
 - owner-reference garbage collection (immediate) like kube-controller-manager;
 - injected faults (503 for the next N requests of a method on a resource);
 - /api/v1/namespaces parsed as the cluster-scoped resource it is (kopf's namespace scanning).
-Still absent: label/field selectors, PUT, server-side apply, OpenAPI schema validation, CEL
+Still absent: field selectors (label selectors: kmock_reads), PUT, server-side apply, OpenAPI schema validation, CEL
 validation rules, defaulting of built-in kinds, protobuf.
 """
 
@@ -36,11 +36,12 @@ import aiohttp.web
 import jsonpatch
 import jsonpointer
 import kmock
-import kmock_admission as admission
-import kmock_rbac as rbac
 from kmock._internal import enums, parsing
-from kmock_patch import merge_patch, strategic_merge_patch
-from kmock_reads import ReadingEmulator
+
+from tests.kube import kmock_admission as admission
+from tests.kube import kmock_rbac as rbac
+from tests.kube.kmock_patch import merge_patch, strategic_merge_patch
+from tests.kube.kmock_reads import ReadingEmulator
 
 _kmock_parse_path = parsing.parse_path
 

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import kmock
-from kmock_admission import Policy
-from kmock_compat import Emulator
-from kmock_rbac import SA_PREFIX, Attributes
+
+from tests.kube.kmock_admission import Policy
+from tests.kube.kmock_compat import Emulator
+from tests.kube.kmock_rbac import SA_PREFIX, Attributes
 
 
 class EmulatedCluster:
