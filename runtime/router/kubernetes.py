@@ -57,7 +57,7 @@ class KubeApi:
         account tokens rotate)."""
         if self.config.refresh_api_key_hook is not None:
             self.config.refresh_api_key_hook(self.config)
-        token = self.config.get_api_key_with_prefix("authorization")
+        token = self.config.get_api_key_with_prefix("BearerToken", alias="authorization")
         return {"Authorization": token} if token else {}
 
 
