@@ -30,6 +30,7 @@ import itertools
 import secrets
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp.web
@@ -67,9 +68,19 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A request as the tests look back on it."""
+
+    method: str
+    path: str
+    plural: str | None
+
+
 class Emulator(ReadingEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self.seen: list[Seen] = []  # every request, in order of arrival
         self._versions = itertools.count(1)
         self.faults: dict[tuple[str, str], int] = {}  # (method, plural) -> failures left
         self.policies: list[admission.Policy] = []
@@ -79,6 +90,24 @@ class Emulator(ReadingEmulator):
         return str(next(self._versions))
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self.seen.append(Seen(request.method.value, request.url.path,
+                              str(request.resource.plural) if request.resource else None))
+        try:
+            return await self._serve(request)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: kmock.Request) -> None:
+        """Drop a served request from kmock's own logs. kmock keeps every request and, to route
+        the next one, scans that log once per reaction (`request in reaction's view`): each
+        request cost more than the one before, and after a few thousand an API call took
+        seconds. Only requests still being served need to be there; `seen` keeps the history."""
+        self._requests[:] = [r for r in self._requests if r is not request]
+        for reaction in self._payloads:
+            if len(reaction._requests) > 64:  # what each reaction served: nobody reads it here
+                del reaction._requests[:-16]
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
         self._authorize(request)
