@@ -18,8 +18,9 @@ On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this ad
 - owner-reference garbage collection (immediate) like kube-controller-manager;
 - injected faults (503 for the next N requests of a method on a resource);
 - /api/v1/namespaces parsed as the cluster-scoped resource it is (kopf's namespace scanning).
-Still absent: field selectors (label selectors: kmock_reads), PUT, server-side apply, OpenAPI schema validation, CEL
-validation rules, defaulting of built-in kinds, protobuf.
+Still absent: field selectors other than metadata.name/namespace (selectors: kmock_reads),
+PUT, server-side apply, OpenAPI schema validation, CEL validation rules, defaulting of
+built-in kinds, protobuf.
 """
 
 from __future__ import annotations
