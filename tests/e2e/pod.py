@@ -176,6 +176,8 @@ class Pod:
         else:
             code = self.proc.returncode if self.proc is not None else None
             state = {"waiting": {"reason": "ContainerCreating" if code is None else "Restarting"}}
+        image = self.container.get("image", "")
+        container_id = {"containerID": f"local://{self.proc.pid}"} if running and self.proc else {}
         return {
             "phase": "Running" if running else "Pending",
             "podIP": self.ip, "podIPs": [{"ip": self.ip}], "hostIP": "127.0.0.1",
@@ -184,7 +186,8 @@ class Pod:
                            {"type": "PodScheduled", "status": "True"}],
             "containerStatuses": [{"name": self.container["name"], "ready": ready == "True",
                                    "restartCount": self.restarts, "started": running,
-                                   "image": self.container.get("image", ""), "state": state}],
+                                   "image": image, "imageID": f"local://{image}",
+                                   **container_id, "state": state}],
         }
 
     # -- the container's command line and environment ----------------------------------
