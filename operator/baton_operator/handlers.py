@@ -2,7 +2,8 @@
 
 Every cause runs the same complete pass over the service, reading it afresh:
 - create / update / resume of an InferenceService;
-- any event of a child (Deployment, Service, Ingress, HPA, PDB), including its deletion, so a
+- any event of a child (Deployment, Service, Ingress, HPA, PDB, the router's ServiceAccount,
+  Role and RoleBinding), including its deletion, so a
   hand edit or a deleted child is restored within seconds; and any event of an object that
   holds a child's name (a NameConflict clears as soon as it is deleted);
 - a resync timer, the safety net for anything missed.
@@ -33,7 +34,10 @@ LOG = logging.getLogger("baton_operator")
 CHILD_KINDS = (("apps", "v1", "deployments", "Deployment"), ("", "v1", "services", "Service"),
                ("networking.k8s.io", "v1", "ingresses", "Ingress"),
                ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
-               ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"))
+               ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+               ("", "v1", "serviceaccounts", "ServiceAccount"),
+               ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+               ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"))
 
 
 @kopf.on.startup()

@@ -20,6 +20,9 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (API_VERSION, KIND): PLURAL,
 }
 

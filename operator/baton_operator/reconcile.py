@@ -8,6 +8,7 @@ depends only on the cluster's state, whichever handler runs it and however often
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from baton_operator import API_VERSION, KIND
 from baton_operator.apply import NameConflict, apply, delete_owned
 from baton_operator.builders import ChildKey, build_children, child_name, optional_children
+from baton_operator.builders.access import router_account
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
 from baton_operator.spec import ROLES, InferenceService, InvalidSpec, parse_service
@@ -77,9 +79,13 @@ def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> 
     longer want. Conflicts and rejections are collected; other API errors propagate."""
     result = PassResult()
     children = build_children(svc)
+    # The router runs as the ServiceAccount this service owns; no template can name it.
+    router = dataclasses.replace(
+        policy, service_accounts=policy.service_accounts | {router_account(svc)})
 
     def untrusted(live: Mapping[str, Any]) -> bool:
-        return live.get("kind") == "Deployment" and breaks_policy(live, policy)
+        mine = router if live["metadata"]["name"] == child_name(svc, "router") else policy
+        return live.get("kind") == "Deployment" and breaks_policy(live, mine)
 
     for child in children:
         _apply_child(kube, child, svc, untrusted, result)

@@ -41,6 +41,9 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
 
 KV_BACKENDS = ("nixl", "tcp")
 ROUTER_POLICIES = ("round_robin", "least_load", "prefix")
+# kubernetes: the router reads Ready pods through the API (its own ServiceAccount and Role);
+# dns: it re-resolves the pools' headless Services (no API access, no readiness from the API).
+ROUTER_DISCOVERY = ("kubernetes", "dns")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 METRICS = ("cpu", "memory")
 
@@ -67,6 +70,7 @@ class Pool:
 class RouterPool:
     replicas: int = 1
     policy: str = "round_robin"
+    discovery: str = "kubernetes"
     resources: Mapping[str, Any] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
@@ -176,6 +180,8 @@ def _router(raw: Any, where: str) -> RouterPool:
     return RouterPool(
         replicas=integer(router.get("replicas", 1), f"{where}.replicas", minimum=0),
         policy=choice(router.get("policy", "round_robin"), f"{where}.policy", ROUTER_POLICIES),
+        discovery=choice(router.get("discovery", "kubernetes"), f"{where}.discovery",
+                         ROUTER_DISCOVERY),
         resources=mapping(router.get("resources"), f"{where}.resources"),
         args=strings(router.get("args"), f"{where}.args"),
         env=env_vars(router.get("env"), f"{where}.env"),

@@ -40,6 +40,7 @@ class PoolState:
     exists: bool = False
     current: bool = False  # the Deployment controller has seen its latest spec
     failure: str | None = None  # why the rollout is stuck, from the Deployment's conditions
+    rolled_out: bool = False  # the Deployment controller saw its latest rollout complete
 
     @classmethod
     def from_deployment(cls, role: Role, deployment: Mapping[str, Any] | None,
@@ -57,6 +58,7 @@ class PoolState:
             exists=True,
             current=int(status.get("observedGeneration", 0)) >= int(generation),
             failure=_failure(status.get("conditions") or []),
+            rolled_out=_rolled_out(status.get("conditions") or []),
         )
 
     @property
@@ -68,6 +70,12 @@ class PoolState:
     @property
     def available(self) -> bool:
         return self.settled and self.ready >= self.desired
+
+    @property
+    def lost_pods(self) -> bool:
+        """Pods went unready after the rollout completed (a crash, an eviction): degraded,
+        not still starting."""
+        return self.settled and self.rolled_out and self.ready < self.desired
 
     @property
     def reason(self) -> str:
@@ -94,6 +102,7 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
              for role in ROLES}
     summary = ", ".join(pool.describe() for pool in pools.values())
     failures = [f"{p.role}: {p.failure}" for p in pools.values() if p.failure]
+    lost = [p.describe() for p in pools.values() if p.lost_pods and not p.failure]
     ready, reason = _overall(pools)
     ready_condition = _condition("Ready", ready, reason, summary)
     progressing = _progressing(pools, failures, summary)
@@ -106,11 +115,10 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
         *(_condition(f"{role.capitalize()}Ready", pool.available, pool.reason, pool.describe())
           for role, pool in pools.items()),
         progressing,
-        _condition("Degraded", bool(failures), "RolloutFailed" if failures else "AsExpected",
-                   "; ".join(failures) or "no pool reports a failed rollout"),
+        _degraded(failures, lost),
     ]
     return {
-        "phase": _phase(pools, ready, bool(problems), bool(failures)),
+        "phase": _phase(pools, ready, bool(problems), bool(failures or lost)),
         "observedGeneration": observed_generation,
         "url": svc.url,
         **{role: pool.counts for role, pool in pools.items()},
@@ -189,6 +197,22 @@ def _progressing(pools: Mapping[Role, PoolState], failures: list[str], summary: 
     if all(pool.available for pool in pools.values()):
         return _condition("Progressing", False, "Complete", summary)
     return _condition("Progressing", True, "RollingOut", summary)
+
+
+def _degraded(failures: list[str], lost: list[str]) -> dict[str, Any]:
+    if failures:
+        return _condition("Degraded", True, "RolloutFailed", "; ".join(failures))
+    if lost:
+        return _condition("Degraded", True, "PodsLost",
+                          "; ".join(lost) + " after the rollout completed")
+    return _condition("Degraded", False, "AsExpected", "no pool reports a failed rollout")
+
+
+def _rolled_out(conditions: list[Mapping[str, Any]]) -> bool:
+    """The Deployment controller's mark of a completed rollout (kept while pods come and go,
+    until the next rollout starts)."""
+    return any(c.get("type") == "Progressing" and c.get("status") == "True"
+               and c.get("reason") == "NewReplicaSetAvailable" for c in conditions)
 
 
 def _failure(conditions: list[Mapping[str, Any]]) -> str | None:

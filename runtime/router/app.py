@@ -57,7 +57,8 @@ class Router:
         """Discovery and health checks in the background while the app serves."""
         tasks = [asyncio.create_task(run_discovery(self.discovery, self.workers,
                                                    self._membership_changed)),
-                 asyncio.create_task(self.health.run())]
+                 asyncio.create_task(self.health.run()),
+                 asyncio.create_task(self.discovery.watch())]
         try:
             yield
         finally:
@@ -66,6 +67,7 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.proxy.drain(self.config.abort_timeout_s)
             await self.client.aclose()
+            await self.discovery.close()
 
     async def _membership_changed(self, joined: list[Worker], left: list[Worker]) -> None:
         for worker in left:

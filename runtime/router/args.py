@@ -2,8 +2,9 @@
 
 Each role's workers come from exactly one source: static URLs (`--prefill URL[,BOOTSTRAP_PORT]`
 repeated, `--decode URL` repeated) or a DNS name re-resolved every `--dns-refresh-s`
-(`--prefill-dns HOST:PORT:BOOTSTRAP_PORT`, `--decode-dns HOST:PORT`). Bad values are argparse
-errors (exit 2) that name the flag.
+(`--prefill-dns HOST:PORT:BOOTSTRAP_PORT`, `--decode-dns HOST:PORT`); or, with
+`--discovery kubernetes`, the Ready pods that `--prefill-selector` / `--decode-selector` pick
+(in `--namespace`). Bad values are argparse errors (exit 2) that name the flag.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 
 from runtime.router.config import (
     DEFAULT_BOOTSTRAP_PORT,
+    DISCOVERY_MODES,
     POLICIES,
     ROLES,
     DnsName,
@@ -44,6 +46,16 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="every A/AAAA record of HOST is a prefill worker (re-resolved)")
     p.add_argument("--decode-dns", metavar="HOST:PORT",
                    help="every A/AAAA record of HOST is a decode worker (re-resolved)")
+    p.add_argument("--discovery", choices=DISCOVERY_MODES, default=DEFAULT.discovery,
+                   help="where workers come from: the flags above, or the Kubernetes API "
+                   f"(Ready pods by label selector) (default: {DEFAULT.discovery})")
+    p.add_argument("--prefill-selector", default="", metavar="K=V,...",
+                   help="kubernetes: label selector of the prefill pods")
+    p.add_argument("--decode-selector", default="", metavar="K=V,...",
+                   help="kubernetes: label selector of the decode pods")
+    p.add_argument("--namespace", default=None,
+                   help="kubernetes: the pods' namespace (default: the service account's, "
+                   "else the kubeconfig context's)")
 
 
 def _tuning_flags(p: argparse.ArgumentParser) -> None:
@@ -84,15 +96,20 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         decode_dns = None if ns.decode_dns is None else parse_dns(ns.decode_dns, "decode")
     except ValueError as e:
         parser.error(str(e))
+    if ns.discovery == "kubernetes":
+        _check_kubernetes_flags(parser, ns)
     for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
                                  strict=True):
+        if ns.discovery == "kubernetes":
+            continue
         if static and dns is not None:
             parser.error(f"give --{role} or --{role}-dns, not both")
         if not static and dns is None:
             parser.error(f"no {role} workers: give --{role} URL (repeatable) or --{role}-dns")
     return RouterConfig(
         host=ns.host, port=ns.port, prefill=prefill, decode=decode, prefill_dns=prefill_dns,
-        decode_dns=decode_dns, policy=ns.policy, request_timeout_s=ns.request_timeout_s,
+        decode_dns=decode_dns, discovery=ns.discovery, prefill_selector=ns.prefill_selector,
+        decode_selector=ns.decode_selector, namespace=ns.namespace, policy=ns.policy, request_timeout_s=ns.request_timeout_s,
         connect_timeout_s=ns.connect_timeout_s, abort_timeout_s=ns.abort_timeout_s,
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
@@ -100,6 +117,17 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         prefix_min_chars=ns.prefix_min_chars,
         prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
     )
+
+
+def _check_kubernetes_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    for role in ROLES:
+        if getattr(ns, role) or getattr(ns, f"{role}_dns") is not None:
+            parser.error(f"--discovery kubernetes finds the {role} workers itself: drop "
+                         f"--{role} / --{role}-dns")
+        selector = getattr(ns, f"{role}_selector")
+        terms = [t.strip() for t in selector.split(",")]
+        if not selector or not all(terms):
+            parser.error(f"--discovery kubernetes needs --{role}-selector K=V[,K=V...]")
 
 
 def parse_worker_url(value: str, flag: str) -> WorkerAddress:

@@ -10,6 +10,8 @@ from typing import Literal
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+DiscoveryMode = Literal["flags", "kubernetes"]
+DISCOVERY_MODES: tuple[DiscoveryMode, ...] = ("flags", "kubernetes")
 PolicyName = Literal["round_robin", "least_load", "prefix"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix")
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -34,7 +36,9 @@ class DnsName:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Every `baton router` flag. A role's workers come from a static list or a DNS name."""
+    """Every `baton router` flag. A role's workers come from a static list or a DNS name
+    (discovery "flags"), or from the Ready pods a label selector picks (discovery
+    "kubernetes", in `namespace`: None is the service account's or kubeconfig's)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -42,6 +46,11 @@ class RouterConfig:
     decode: tuple[WorkerAddress, ...] = ()
     prefill_dns: DnsName | None = None
     decode_dns: DnsName | None = None
+    discovery: DiscoveryMode = "flags"
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    namespace: str | None = None
+    discovery_sync_s: float = 0.5  # kubernetes: pools synced from the watched pods this often
     policy: PolicyName = "round_robin"
     request_timeout_s: float = 600.0  # longest silence from a worker during one request
     connect_timeout_s: float = 5.0

@@ -3,8 +3,9 @@
 A `Discovery` answers "which workers does this role have now?"; `run_discovery` asks it every
 `interval` seconds and syncs the `Workers`. Static lists never change; a DNS name is resolved
 again each time (every A/AAAA record is a worker `http://IP:PORT`, so pods behind a headless
-Service join and leave as the records change). A Kubernetes-API source (label selectors, Ready
-pods) would be one more `Discovery`; nothing else has to change.
+Service join and leave as the records change). `--discovery kubernetes` reads Ready pods by
+label selector through the API (`runtime/router/kubernetes.py`); its watches run in
+`Discovery.watch`, and `discover` answers from what they saw.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class Discovery(ABC):
     async def discover(self, role: Role) -> list[WorkerAddress]:
         """The role's workers now. Raising keeps the previous membership (a DNS hiccup must
         not empty the pool)."""
+
+    async def watch(self) -> None:  # noqa: B027 - optional: most sources have nothing to watch
+        """Background work that keeps `discover` current (runs while the router serves)."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release what `watch` held (connections); called once the router stops."""
 
 
 class StaticDiscovery(Discovery):
@@ -74,6 +81,13 @@ class DnsDiscovery(Discovery):
 
 
 def build_discovery(config: RouterConfig, resolver: Resolver | None = None) -> Discovery:
+    if config.discovery == "kubernetes":
+        from runtime.router.kubernetes import KubeApi, KubernetesDiscovery
+
+        selectors: dict[Role, str] = {"prefill": config.prefill_selector,
+                                      "decode": config.decode_selector}
+        return KubernetesDiscovery(KubeApi(), config.namespace, selectors,
+                                   interval=config.discovery_sync_s)
     static = StaticDiscovery(config.prefill, config.decode)
     names: dict[Role, DnsName] = {}
     if config.prefill_dns is not None:

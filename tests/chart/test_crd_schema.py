@@ -112,7 +112,7 @@ def test_defaults_follow_the_contract(crd_schema):
         "imagePullPolicy": "IfNotPresent",
         "prefill": POOL_DEFAULTS,
         "decode": POOL_DEFAULTS,
-        "router": {"replicas": 1, "policy": "round_robin"},
+        "router": {"replicas": 1, "policy": "round_robin", "discovery": "kubernetes"},
         "kvTransfer": {"backend": "nixl"},
     }
     obj = apply_defaults(

@@ -14,9 +14,10 @@ from pathlib import Path
 import kubernetes
 import pytest
 from baton_operator.main import kopf_args
-from isvc_helpers import CRD_FILE, NAMESPACE, Cluster, OperatorFactory
-from kmock_cluster import EmulatedCluster
 from kopf.testing import KopfRunner
+
+from tests.kube.isvc_helpers import CRD_FILE, NAMESPACE, Cluster, OperatorFactory
+from tests.kube.kmock_cluster import EmulatedCluster
 
 
 @pytest.fixture

@@ -64,9 +64,59 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
         "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
         "--kv-transfer nixl --served-model-name smollm2-135m")
     assert command(build_deployment(svc, "router")) == cli(
+        "baton router --host 0.0.0.0 --port 8000 --discovery kubernetes --namespace ml "
+        "--prefill-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
+        "baton.dev/role=prefill "
+        "--decode-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
+        "baton.dev/role=decode --policy round_robin")
+    dns = service(router={"discovery": "dns"})
+    assert command(build_deployment(dns, "router")) == cli(
         "baton router --host 0.0.0.0 --port 8000 "
         "--prefill-dns llm-prefill.ml.svc.cluster.local:8000:8998 "
         "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy round_robin")
+
+
+@pytest.mark.parametrize("discovery", ["kubernetes", "dns"])
+def test_the_router_command_parses_as_baton_router(discovery: str) -> None:
+    from runtime.router.args import parse_router_args
+
+    argv = command(build_deployment(service(router={"discovery": discovery}), "router"))
+    config = parse_router_args(argv[2:])
+    assert (config.host, config.port, config.discovery) == (
+        "0.0.0.0", 8000, "kubernetes" if discovery == "kubernetes" else "flags")
+    if discovery == "kubernetes":
+        assert config.namespace == "ml"
+        assert config.decode_selector.endswith("baton.dev/role=decode")
+
+
+def test_the_router_may_only_read_pods_in_its_namespace() -> None:
+    """discovery kubernetes: its own ServiceAccount, a Role of get/list/watch on pods, bound;
+    dns: none of them, and no token in the pod."""
+    children = {(c["kind"], c["metadata"]["name"]): c for c in build_children(service())}
+    role = children["Role", "llm-router"]
+    assert role["metadata"]["namespace"] == "ml"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = children["RoleBinding", "llm-router"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "llm-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-router",
+                                    "namespace": "ml"}]
+    assert ("ServiceAccount", "llm-router") in children
+    pod = children["Deployment", "llm-router"]["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("llm-router", True)
+    dns = build_children(service(router={"discovery": "dns"}))
+    assert not {c["kind"] for c in dns} & {"ServiceAccount", "Role", "RoleBinding"}
+    pod = next(c for c in dns if c["metadata"]["name"] == "llm-router")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in pod and pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_know_their_pod_ip(role: str) -> None:
+    """The decode advertises $POD_IP as its KV receiver's address (downward API)."""
+    env = by_name(main_container(build_deployment(service(), role))["env"])  # type: ignore[arg-type]
+    assert env["POD_IP"] == {"name": "POD_IP",
+                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
@@ -124,8 +174,10 @@ def test_the_runtime_parser_accepts_the_rendered_serve_args(role: str) -> None:
 def test_default_children_set() -> None:
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in build_children(service()))
     assert kinds == [("Deployment", "llm-decode"), ("Deployment", "llm-prefill"),
-                     ("Deployment", "llm-router"), ("Service", "llm"),
-                     ("Service", "llm-decode"), ("Service", "llm-prefill")]
+                     ("Deployment", "llm-router"), ("Role", "llm-router"),
+                     ("RoleBinding", "llm-router"), ("Service", "llm"),
+                     ("Service", "llm-decode"), ("Service", "llm-prefill"),
+                     ("ServiceAccount", "llm-router")]
 
 
 # -- pods ----------------------------------------------------------------------------------
@@ -136,7 +188,7 @@ def test_pods_are_hardened(role: str) -> None:
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is (role == "router"), "only the router reads"
     for container in pod["containers"] + pod.get("initContainers", []):
         sc = container["securityContext"]
         assert sc["runAsNonRoot"] is True
@@ -261,7 +313,7 @@ def test_template_merges_into_the_pod_and_its_main_container() -> None:
     assert [c["name"] for c in pod["containers"]] == ["main", "exporter"]
     main = main_container(dep)
     assert main["resources"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": 1}}
-    env = {e["name"]: e["value"] for e in main["env"]}
+    env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["HF_HOME"] == "/data/hf" and env["NEW"] == "1" and env["POOL"] == "p"
     assert env["XDG_CACHE_HOME"] == "/cache"
     assert main["args"][:2] == ["serve", "--model"], "merging must not drop the rendered args"
@@ -295,7 +347,7 @@ def test_every_child_is_owned_and_labelled() -> None:
                   autoscaling={"prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
                   router={"replicas": 2})
     children = build_children(svc)
-    assert len(children) == 6 + 1 + 2 + 3
+    assert len(children) == 6 + 3 + 1 + 2 + 3
     for child in children:
         meta = child["metadata"]
         assert meta["namespace"] == "ml"

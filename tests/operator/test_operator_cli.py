@@ -7,7 +7,8 @@ import sys
 
 import pytest
 from baton_operator.main import HANDLERS, kopf_args, main
-from isvc_helpers import REPO
+
+from tests.kube.isvc_helpers import REPO
 
 
 def test_help_is_kopf_run_under_our_name(capsys: pytest.CaptureFixture[str]) -> None:

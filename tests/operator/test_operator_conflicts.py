@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 import pytest
-from isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl, table_cells
+
+from tests.kube.isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,9 +9,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from isvc_helpers import CHILD_PLURALS, NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl
+
+from tests.kube.isvc_helpers import (
+    CHILD_PLURALS,
+    NAMESPACE,
+    Cluster,
+    OperatorFactory,
+    isvc,
+    wait_for,
+)
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import run_kubectl
 
 pytestmark = pytest.mark.timeout(120)
 RESTORE_WITHIN = 10.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -12,9 +13,10 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from isvc_helpers import CRD_FILE, Cluster, isvc
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import kubectl, run_kubectl, table_cells
+
+from tests.kube.isvc_helpers import CRD_FILE, Cluster, isvc, wait_for
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,6 +94,50 @@ def test_watch_resumes_after_a_resource_version(emulated: EmulatedCluster,
         assert stream.headers["Content-Type"].startswith("application/json")
         event = json.loads(stream.readline())
     assert event["type"] == "ADDED" and event["object"]["metadata"]["name"] == "b"
+
+
+def test_kubectl_delete_waits_for_the_finalizer_of_that_object_only(
+        emulated: EmulatedCluster, cluster: Cluster) -> None:
+    """`kubectl delete` waits with a watch-list (sendInitialEvents, a bookmark, a field
+    selector on the name): it returns once that object is gone, not when another one goes."""
+    for name in ("x", "other"):
+        cluster.create(isvc(name))
+        request(emulated, "PATCH", f"{ISVC}/{name}", {"metadata": {"finalizers": ["f"]}})
+    waiting = subprocess.Popen([str(kubectl()), "-n", "serving", "delete", "bisvc", "x",
+                                "--timeout=30s"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (cluster.get("x") or {})["metadata"].get("deletionTimestamp"), 10,
+                 "x marked for deletion")
+        cluster.delete("other")
+        request(emulated, "PATCH", f"{ISVC}/other", {"metadata": {"finalizers": None}})
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(2)
+        request(emulated, "PATCH", f"{ISVC}/x", {"metadata": {"finalizers": None}})
+        assert waiting.wait(10) == 0, waiting.communicate()[0]
+    finally:
+        waiting.kill()
+        output = waiting.communicate()[0]
+    assert "bookmark" not in output, output  # client-go warns while it waits for one
+
+
+def test_requests_cost_the_same_after_thousands(emulated: EmulatedCluster,
+                                                cluster: Cluster) -> None:
+    """kmock routes a request by scanning its log of requests: kept to the requests in
+    flight, the thousandth GET costs what the first did."""
+    cluster.create(isvc("x"))
+
+    def mean_get_seconds(n: int = 100) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            assert request(emulated, "GET", f"{ISVC}/x")[0] == 200
+        return (time.perf_counter() - start) / n
+
+    first = mean_get_seconds()
+    for _ in range(1500):
+        request(emulated, "GET", f"{ISVC}/missing")
+    assert emulated.request_count() > 1600
+    assert mean_get_seconds() < 3 * first
 
 
 DEPLOY = "/apis/apps/v1/namespaces/serving/deployments"

@@ -7,7 +7,8 @@ import time
 from collections import Counter
 
 import pytest
-from isvc_helpers import (
+
+from tests.kube.isvc_helpers import (
     CHILD_PLURALS,
     CORE_CHILDREN,
     Cluster,
@@ -15,7 +16,7 @@ from isvc_helpers import (
     isvc,
     wait_for,
 )
-from kmock_cluster import EmulatedCluster
+from tests.kube.kmock_cluster import EmulatedCluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from isvc_helpers import NAMESPACE, REPO, SAMPLE_FILE, Cluster, wait_for
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl
-from operator_process import running_operator
+
+from tests.kube.isvc_helpers import NAMESPACE, REPO, SAMPLE_FILE, Cluster, wait_for
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import run_kubectl
+from tests.kube.operator_process import running_operator
 
 pytestmark = pytest.mark.timeout(120)
 

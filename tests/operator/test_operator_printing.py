@@ -9,8 +9,9 @@ import subprocess
 import time
 
 import pytest
-from isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
-from kubectl_tool import kubectl, run_kubectl, table_cells
+
+from tests.kube.isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
+from tests.kube.kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(90)
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 from baton_operator.manifests import render_chart
-from isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
-from kmock_cluster import EmulatedCluster
-from kubectl_tool import run_kubectl
-from operator_process import running_operator
+
+from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
+from tests.kube.kmock_cluster import EmulatedCluster
+from tests.kube.kubectl_tool import run_kubectl
+from tests.kube.operator_process import running_operator
 
 pytestmark = pytest.mark.timeout(150)
 RELEASE_NAMESPACE = "baton-system"
@@ -21,6 +22,9 @@ USER = f"system:serviceaccount:{RELEASE_NAMESPACE}:baton-operator"
 # Only for the OwnerReferencesPermissionEnforcement admission plugin (blockOwnerDeletion),
 # which the emulated API does not run: granted, never requested.
 NEVER_REQUESTED = {("update", "baton.dev", "inferenceservices/finalizers")}
+# Held only to grant them to a router's Role: RBAC refuses a Role that grants more than its
+# creator holds (the escalation check, which the emulated API does not run).
+GRANTED_TO_ROUTERS = {(verb, "", "pods") for verb in ("get", "list", "watch")}
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
         "autoscaling": {"prefill": {"min": 1, "max": 3}}}
 TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
@@ -28,7 +32,11 @@ TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
           ("ingress/llm", '{"spec":{"rules":[{"host":"evil.example.com"}]}}'),
           ("horizontalpodautoscalers.v2.autoscaling/llm-prefill",  # not the preferred v1
            '{"spec":{"maxReplicas":9}}'),
-          ("pdb/llm-decode", '{"spec":{"maxUnavailable":2}}')]
+          ("pdb/llm-decode", '{"spec":{"maxUnavailable":2}}'),
+          ("role/llm-router", '{"rules":[{"apiGroups":[""],"resources":["secrets"],'
+                              '"verbs":["get"]}]}'),
+          ("rolebinding/llm-router", '{"subjects":[{"kind":"User","name":"mallory"}]}'),
+          ("serviceaccount/llm-router", '{"automountServiceAccountToken":true}')]
 
 
 def install(emulated: EmulatedCluster, values: dict[str, Any], tmp: Path) -> dict[str, Any]:
@@ -65,16 +73,20 @@ def life_of_a_service(cluster: Cluster) -> None:
     cluster.create(isvc("llm", **SPEC))
     wait_for(lambda: len(cluster.children()) == 10, 30, "ten children")
     for target, patch in TAMPER:
-        before = run_kubectl("get", target, "-o", "jsonpath={.spec}")
+        field = "{.spec}" if "spec" in patch else "{.rules}{.subjects}{.automountServiceAccountToken}"
+        before = run_kubectl("get", target, "-o", f"jsonpath={field}")
         run_kubectl("patch", target, "--type=merge", "-p", patch)
-        wait_for(lambda t=target, b=before: run_kubectl(  # type: ignore[misc]
-            "get", t, "-o", "jsonpath={.spec}") == b, 10, f"{target} restored")
+        wait_for(lambda t=target, b=before, f=field: run_kubectl(  # type: ignore[misc]
+            "get", t, "-o", f"jsonpath={f}") == b, 10, f"{target} restored")
     for role in ("prefill", "decode", "router"):
         cluster.set_deployment_status(f"llm-{role}")
     wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 10, "Ready")
     cluster.patch("llm", {"spec": {"ingress": None, "autoscaling": None,
-                                   "decode": {"replicas": 1}}})
+                                   "decode": {"replicas": 1}, "router": {"discovery": "dns"}}})
     wait_for(lambda: len(cluster.children()) == 6, 10, "optional children deleted")
+    wait_for(lambda: not any(n.endswith("/llm-router") for n in run_kubectl(
+        "get", "serviceaccounts,roles,rolebindings", "-o", "name").split()), 10,
+        "the router's ServiceAccount, Role and RoleBinding deleted")
     cluster.delete("llm")
     wait_for(lambda: cluster.get("llm") is None, 10, "the finalizer removed")
 
@@ -96,7 +108,7 @@ def test_the_chart_rbac_is_enough_and_every_permission_is_used(
     denied = [a for a, ok in decisions if not ok]
     assert denied == [], (tmp_path / "operator.log").read_text()[-3000:]
     used = {(a.verb, a.group, a.resource) for a, _ in decisions}
-    assert used == granted() - NEVER_REQUESTED
+    assert used == granted() - NEVER_REQUESTED - GRANTED_TO_ROUTERS
 
 
 def test_a_missing_permission_is_refused(emulated: EmulatedCluster, cluster: Cluster,

@@ -30,6 +30,16 @@ def operator_router_argv(**spec: Any) -> list[str]:
 def test_the_operators_router_args_parse_as_meant() -> None:
     config = parse_router_args(operator_router_argv())
     assert (config.host, config.port, config.policy) == ("0.0.0.0", 8000, "round_robin")
+    assert (config.discovery, config.namespace) == ("kubernetes", "ml")
+    assert config.prefill_selector == (
+        "app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,baton.dev/role=prefill")
+    assert config.decode_selector.endswith(",baton.dev/role=decode")
+    assert config.prefill == config.decode == () and config.prefill_dns is None
+
+
+def test_the_operators_dns_fallback_args_parse_as_meant() -> None:
+    config = parse_router_args(operator_router_argv(router={"discovery": "dns"}))
+    assert config.discovery == "flags"
     assert config.prefill_dns == DnsName("llm-prefill.ml.svc.cluster.local", 8000, 8998)
     assert config.decode_dns == DnsName("llm-decode.ml.svc.cluster.local", 8000)
     assert config.prefill == config.decode == ()
@@ -41,6 +51,20 @@ def test_every_policy_and_extra_args_from_the_spec_parse(policy: str) -> None:
         "--log-level", "debug", "--request-timeout-s", "120"]})
     config = parse_router_args(argv)
     assert (config.policy, config.log_level, config.request_timeout_s) == (policy, "debug", 120)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--discovery", "kubernetes", "--decode-selector", "a=b"],
+    ["--discovery", "kubernetes", "--prefill-selector", "a=b,", "--decode-selector", "a=b"],
+    ["--discovery", "kubernetes", "--prefill-selector", "a=b", "--decode-selector", "a=b",
+     "--decode", "http://10.0.0.3:30001"],
+])
+def test_kubernetes_discovery_needs_both_selectors_and_nothing_else(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_router_args(argv)
+    assert exit_info.value.code == 2
+    assert "--discovery kubernetes" in capsys.readouterr().err
 
 
 def test_static_workers_and_defaults() -> None:

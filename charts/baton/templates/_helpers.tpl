@@ -88,17 +88,23 @@ app.kubernetes.io/component: operator
   verbs: [update]
 # The children: written and watched (drift is restored within seconds). Deployments and
 # Services go with their service (garbage collection); the optional kinds are deleted when
-# the spec drops them.
+# the spec drops them (the router's ServiceAccount, Role and RoleBinding exist only with
+# spec.router.discovery: kubernetes).
 {{- range list (list "apps" "deployments") (list "" "services") }}
 - apiGroups: [{{ index . 0 | quote }}]
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch]
 {{- end }}
-{{- range list (list "networking.k8s.io" "ingresses") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") }}
+{{- range list (list "networking.k8s.io" "ingresses") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") (list "" "serviceaccounts") (list "rbac.authorization.k8s.io" "roles") (list "rbac.authorization.k8s.io" "rolebindings") }}
 - apiGroups: [{{ index . 0 | quote }}]
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch, delete]
 {{- end }}
+# The router's Role (spec.router.discovery: kubernetes) grants these; RBAC lets only a holder
+# grant a permission (no `escalate`/`bind` needed). The operator itself never reads pods.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
 # Kubernetes Events about the services.
 - apiGroups: [""]
   resources: [events]

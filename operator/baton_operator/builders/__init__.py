@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton_operator.builders.access import build_router_access, router_access_keys
 from baton_operator.builders.common import child_name, labels, owner_reference, selector_labels
 from baton_operator.builders.network import (
     build_headless_service,
@@ -29,6 +30,7 @@ def build_children(svc: InferenceService) -> list[dict[str, Any]]:
     optional += [build_hpa(svc, role) for role in WORKER_ROLES]
     optional += [build_pdb(svc, role) for role in ROLES]
     return [
+        *build_router_access(svc),  # before the router pods that run as its ServiceAccount
         *(build_headless_service(svc, role) for role in WORKER_ROLES),
         build_router_service(svc),
         *(build_deployment(svc, role) for role in ROLES),
@@ -41,7 +43,7 @@ def optional_children(svc: InferenceService) -> list[ChildKey]:
     keys: list[ChildKey] = [("networking.k8s.io/v1", "Ingress", svc.name)]
     keys += [("autoscaling/v2", "HorizontalPodAutoscaler", child_name(svc, r)) for r in WORKER_ROLES]
     keys += [("policy/v1", "PodDisruptionBudget", child_name(svc, r)) for r in ROLES]
-    return keys
+    return keys + router_access_keys(svc)
 
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "build_hpa",
     "build_ingress",
     "build_pdb",
+    "build_router_access",
     "build_router_pod",
     "build_router_service",
     "build_worker_pod",

@@ -10,10 +10,12 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from baton_operator.builders.access import router_account
 from baton_operator.builders.common import (
     BOOTSTRAP_PORT,
     HTTP_PORT,
     labels,
+    selector_labels,
     service_host,
 )
 from baton_operator.model import MODEL_MOUNT
@@ -42,6 +44,8 @@ CACHE_ENV: tuple[dict[str, str], ...] = (
     {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
     {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
 )
+# The address peers reach a worker's KV endpoint on (runtime: --advertise-host > $POD_IP).
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 # Workers: model load can take minutes (conversion, cold page cache); 10 s x 90 = 15 min.
 WORKER_STARTUP = {"periodSeconds": 10, "failureThreshold": 90}
 ROUTER_STARTUP = {"periodSeconds": 2, "failureThreshold": 30}
@@ -60,14 +64,21 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
 
 
 def router_command(svc: InferenceService) -> list[str]:
-    """`baton router` discovering the pools through their headless Services (re-resolved)."""
-    return [
-        "baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-        "--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
-        "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}",
-        "--policy", svc.router.policy,
-        *svc.router.args,
-    ]
+    """`baton router` finding the pools' Ready pods through the API by their selector labels
+    (ports from the pods' named container ports), or re-resolving their headless Services."""
+    if svc.router.discovery == "kubernetes":
+        workers = ["--discovery", "kubernetes", "--namespace", svc.namespace,
+                   "--prefill-selector", _selector(svc, "prefill"),
+                   "--decode-selector", _selector(svc, "decode")]
+    else:
+        workers = ["--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
+                   "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}"]
+    return ["baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *workers,
+            "--policy", svc.router.policy, *svc.router.args]
+
+
+def _selector(svc: InferenceService, role: Role) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(svc, role).items())
 
 
 def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
@@ -77,7 +88,8 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     ports = [_port("http", HTTP_PORT)]
     if role == "prefill":
         ports.append(_port("bootstrap", BOOTSTRAP_PORT))
-    container = _container(svc, serve_command(svc, role), ports, pool.resources, pool.env,
+    container = _container(svc, serve_command(svc, role), ports, pool.resources,
+                           (POD_IP_ENV, *pool.env),
                            mounts=[*_scratch_mounts(), {"name": "dshm", "mountPath": "/dev/shm"},
                                    *mounts],
                            startup=WORKER_STARTUP)
@@ -108,6 +120,8 @@ def build_router_pod(svc: InferenceService) -> dict[str, Any]:
                            mounts=_scratch_mounts(), startup=ROUTER_STARTUP)
     spec = {"containers": [container], "volumes": _scratch_volumes(),
             "terminationGracePeriodSeconds": 30, **_pod_basics()}
+    if svc.router.discovery == "kubernetes":  # it reads pods with its own ServiceAccount
+        spec.update(serviceAccountName=router_account(svc), automountServiceAccountToken=True)
     return {"metadata": _pod_metadata(svc, "router"), "spec": spec}
 
 
@@ -210,7 +224,7 @@ def _pod_metadata(svc: InferenceService, role: Role) -> dict[str, Any]:
 def _pod_basics() -> dict[str, Any]:
     return {
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
-        "automountServiceAccountToken": False,  # the runtime never talks to the API
+        "automountServiceAccountToken": False,  # workers never talk to the API
         "enableServiceLinks": False,
     }
 

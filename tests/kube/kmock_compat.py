@@ -18,8 +18,9 @@ On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this ad
 - owner-reference garbage collection (immediate) like kube-controller-manager;
 - injected faults (503 for the next N requests of a method on a resource);
 - /api/v1/namespaces parsed as the cluster-scoped resource it is (kopf's namespace scanning).
-Still absent: label/field selectors, PUT, server-side apply, OpenAPI schema validation, CEL
-validation rules, defaulting of built-in kinds, protobuf.
+Still absent: field selectors other than metadata.name/namespace (selectors: kmock_reads),
+PUT, server-side apply, OpenAPI schema validation, CEL validation rules, defaulting of
+built-in kinds, protobuf.
 """
 
 from __future__ import annotations
@@ -30,17 +31,19 @@ import itertools
 import secrets
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp.web
 import jsonpatch
 import jsonpointer
 import kmock
-import kmock_admission as admission
-import kmock_rbac as rbac
 from kmock._internal import enums, parsing
-from kmock_patch import merge_patch, strategic_merge_patch
-from kmock_reads import ReadingEmulator
+
+from tests.kube import kmock_admission as admission
+from tests.kube import kmock_rbac as rbac
+from tests.kube.kmock_patch import merge_patch, strategic_merge_patch
+from tests.kube.kmock_reads import ReadingEmulator
 
 _kmock_parse_path = parsing.parse_path
 
@@ -66,9 +69,19 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A request as the tests look back on it."""
+
+    method: str
+    path: str
+    plural: str | None
+
+
 class Emulator(ReadingEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self.seen: list[Seen] = []  # every request, in order of arrival
         self._versions = itertools.count(1)
         self.faults: dict[tuple[str, str], int] = {}  # (method, plural) -> failures left
         self.policies: list[admission.Policy] = []
@@ -78,6 +91,24 @@ class Emulator(ReadingEmulator):
         return str(next(self._versions))
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self.seen.append(Seen(request.method.value, request.url.path,
+                              str(request.resource.plural) if request.resource else None))
+        try:
+            return await self._serve(request)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: kmock.Request) -> None:
+        """Drop a served request from kmock's own logs. kmock keeps every request and, to route
+        the next one, scans that log once per reaction (`request in reaction's view`): each
+        request cost more than the one before, and after a few thousand an API call took
+        seconds. Only requests still being served need to be there; `seen` keeps the history."""
+        self._requests[:] = [r for r in self._requests if r is not request]
+        for reaction in self._payloads:
+            if len(reaction._requests) > 64:  # what each reaction served: nobody reads it here
+                del reaction._requests[:-16]
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
         self._authorize(request)

@@ -31,8 +31,10 @@ CORE_CHILDREN = {
 }
 
 
-def wait_for(check: Callable[[], T], timeout: float = 20, what: str = "condition") -> T:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+def wait_for(check: Callable[[], T], timeout: float = 20,
+             what: str | Callable[[], str] = "condition") -> T:
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds, saying
+    `what` was awaited (a callable is asked then: a log read at the failure, not before)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -40,6 +42,7 @@ def wait_for(check: Callable[[], T], timeout: float = 20, what: str = "condition
         if last:
             return last
         time.sleep(0.1)
+    what = what() if callable(what) else what
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 

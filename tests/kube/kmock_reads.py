@@ -3,17 +3,22 @@ discovery with a stable preferred version per group and CRDs registered when cre
 in name order with kind and resourceVersion, server-side Tables of a CRD's printer columns
 (kmock_table) for lists, single objects and watches, and watches that resume after a
 resourceVersion without losing an event (the bus is marked under the snapshot's lock), sent
-as application/json. Subresources answer to no short name (kubectl warned of ambiguity)."""
+as application/json, and client-go's watch-list (`sendInitialEvents`, ended by a bookmark).
+Lists and watches honour `?labelSelector=` (equality, inequality and existence:
+`a=b,c!=d,e,!f`; set-based `in`/`notin` are refused with a 400) and `?fieldSelector=` on
+metadata.name and metadata.namespace. Subresources answer
+to no short name (kubectl warned of ambiguity)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import kmock
-import kmock_table
 from kmock._internal import enums
+
+from tests.kube import kmock_table
 
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 
@@ -66,8 +71,9 @@ class ReadingEmulator(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         assert request.resource is not None
         resource, info = request.resource, self._resource_info(request.resource)
-        items = sorted(result["items"], key=lambda obj: (  # etcd's key order, as listed
-            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))
+        selected = selector(request)
+        items = sorted((obj for obj in result["items"] if selected(obj)), key=lambda obj: (
+            obj["metadata"].get("namespace") or "", obj["metadata"]["name"]))  # etcd's order
         if self._table_columns(request) is not None:
             return self._table(request, items)
         kind = info.kind or str(resource.plural).capitalize()
@@ -97,29 +103,91 @@ class ReadingEmulator(kmock.KubernetesEmulator):
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         """Existing objects newer than ?resourceVersion as ADDED, then every later event.
+        With ?sendInitialEvents=true (client-go's watch-list: `kubectl delete` waits this way)
+        every existing object, then a BOOKMARK marking the end of the initial events.
 
         The bus is marked under the same lock as the snapshot, so nothing falls between."""
         yield b""
         assert request.resource is not None
-        since = request.params.get("resourceVersion", "")
+        initial = request.params.get("sendInitialEvents") == "true"
+        since = "" if initial else request.params.get("resourceVersion", "")
+        selected = selector(request)
         async with self._lock:
             mark = await self._buses[request.resource].mark()
             objects = [obj.raw for obj in self._KubernetesEmulator__get_objs(request, strict=False)
                        if not obj.deleted]
+            version = self._latest_version()
         for obj in objects:
-            version = obj.get("metadata", {}).get("resourceVersion", "0")
-            if not (since.isdigit() and int(version) <= int(since)):
+            changed = obj.get("metadata", {}).get("resourceVersion", "0")
+            if selected(obj) and not (since.isdigit() and int(changed) <= int(since)):
                 yield self._watch_event(request, {"type": "ADDED", "object": obj})
+        if initial:
+            yield {"type": "BOOKMARK", "object": self._bookmark(request.resource, version)}
         async for event in mark:
             meta = event.get("object", {}).get("metadata", {})
-            if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"),
-                                               meta.get("name"), strict=False):
+            if selected(event.get("object") or {}) and self._KubernetesEmulator__check(
+                    request, request.resource, meta.get("namespace"), meta.get("name"),
+                    strict=False):
                 yield self._watch_event(request, event)
+
+    def _bookmark(self, resource: kmock.resource, version: str) -> dict[str, Any]:
+        kind = self._resource_info(resource).kind or str(resource.plural).capitalize()
+        return {"apiVersion": f"{resource.group}/{resource.version}".lstrip("/"), "kind": kind,
+                "metadata": {"resourceVersion": version,
+                             "annotations": {"k8s.io/initial-events-end": "true"}}}
 
     def _watch_event(self, request: kmock.Request, event: dict[str, Any]) -> dict[str, Any]:
         if self._table_columns(request) is None:
             return event
         return {"type": event["type"], "object": self._table(request, [event["object"]])}
+
+
+def selector(request: kmock.Request) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether an object matches both the request's label and field selectors."""
+    labels, fields = label_filter(request), field_filter(request)
+    return lambda obj: labels(obj) and fields(obj)
+
+
+def field_filter(request: kmock.Request) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether an object matches the request's `?fieldSelector=` on metadata.name or
+    metadata.namespace (`=`, `==`, `!=`); other fields are refused with a 400."""
+    terms = []
+    for term in [t.strip() for t in request.params.get("fieldSelector", "").split(",")]:
+        found = re.fullmatch(r"metadata\.(name|namespace)\s*(!=|==|=)\s*(.*)", term)
+        if term and found is None:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", details={},
+                                        message=f"field selector {term!r} is not emulated")
+        if found is not None:
+            terms.append(found.groups())
+
+    def matches(obj: Mapping[str, Any]) -> bool:
+        meta = obj.get("metadata") or {}
+        return all((meta.get(key) == value) == (op != "!=") for key, op, value in terms)
+
+    return matches
+
+
+def label_filter(request: kmock.Request) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether an object matches the request's `?labelSelector=` (everything without one)."""
+    terms = [t.strip() for t in request.params.get("labelSelector", "").split(",") if t.strip()]
+    for term in terms:
+        if re.search(r"\s(not)?in\s", f" {term} ") or "(" in term:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", details={},
+                                        message=f"set-based selector {term!r} is not emulated")
+
+    def matches(obj: Mapping[str, Any]) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        for term in terms:
+            key, op, value = re.fullmatch(r"(!?[^!=]+)(?:(!=|==|=)(.*))?", term).groups()  # type: ignore[union-attr]
+            if op is None:
+                present = key.lstrip("!") in labels
+                if present == key.startswith("!"):
+                    return False
+            elif (labels.get(key) == value) != (op in ("=", "==")):
+                return False
+        return True
+
+    return matches
 
 
 def _version_priority(version: str) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from isvc_helpers import wait_for
+from tests.kube.isvc_helpers import wait_for
 
 
 def free_port() -> int:

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import kmock
-from kmock_admission import Policy
-from kmock_compat import Emulator
-from kmock_rbac import SA_PREFIX, Attributes
+
+from tests.kube.kmock_admission import Policy
+from tests.kube.kmock_compat import Emulator
+from tests.kube.kmock_rbac import SA_PREFIX, Attributes
 
 
 class EmulatedCluster:
@@ -62,14 +63,14 @@ class EmulatedCluster:
         self._emulator.policies.append(Policy(name, plural, denies, message))
 
     def request_count(self) -> int:
-        return len(self._requests())
+        return len(self._emulator.seen)
 
     def writes(self, after: int = 0, kinds: tuple[str, ...] = ()) -> list[str]:
         """`METHOD /path` of the mutating requests since the `after`-th request, optionally
         only those on resources whose plural is in `kinds`."""
-        return [f"{r.method.value} {r.url.path}" for r in self._requests()[after:]
-                if r.method.value in ("POST", "PUT", "PATCH", "DELETE")
-                and (not kinds or (r.resource is not None and r.resource.plural in kinds))]
+        return [f"{r.method} {r.path}" for r in self._emulator.seen[after:]
+                if r.method in ("POST", "PUT", "PATCH", "DELETE")
+                and (not kinds or r.plural in kinds)]
 
     def history(self, plural: str, namespace: str, name: str) -> list[dict[str, Any]]:
         """Every stored version of an object, oldest first (deletions left out)."""
@@ -81,9 +82,6 @@ class EmulatedCluster:
     def rbac_decisions(self, user: str) -> list[tuple[Attributes, bool]]:
         """Every RBAC-checked request of `user`, with whether it was allowed."""
         return [(attrs, ok) for who, attrs, ok in list(self._emulator.audit) if who == user]
-
-    def _requests(self) -> list[kmock.Request]:
-        return [r for r in list(self._emulator) if isinstance(r, kmock.Request)]
 
     def kubeconfig(self, token: str = "test-token") -> str:
         """A kubeconfig for this server; the default token is an administrator's."""

@@ -1,0 +1,299 @@
+"""`kubectl apply` → operator → pods as local processes → router → streamed tokens.
+
+One cluster for the module (tests/e2e/cluster.py); the tests run in order on the sample
+service: it becomes Ready, serves the colocated server's greedy output through the router
+pod, scales its decode pool out and in under load, survives a killed prefill; then the
+operator that `helm template` renders, run as a pod, takes it over and repairs it; last,
+deleting it removes everything it made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes
+import openai
+import pytest
+import yaml
+
+from tests.e2e.cluster import REPO, LocalCluster
+from tests.kube.isvc_helpers import Cluster, wait_for
+from tests.kube.kubectl_tool import helm, kubectl, run_kubectl, table_cells
+from tests.server.server_process import ServerProcess
+from tests.up_process import alive, descendants
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+NS, NAME = "serving", "smollm2"
+SAMPLE = REPO / "manifests" / "samples" / "inferenceservice.yaml"
+READY_S = 240  # three model servers loading at once on two cores
+KV_TOKENS = 2048
+# What only the router uses: deleted under the chart's operator, which must put them back.
+ROUTER_OBJECTS = [("deployment", f"{NAME}-router"), ("service", NAME),
+                  ("serviceaccount", f"{NAME}-router"), ("role", f"{NAME}-router"),
+                  ("rolebinding", f"{NAME}-router")]
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def sample(local: LocalCluster) -> Path:
+    """The sample as users apply it, with a small KV pool per worker: each would otherwise
+    reserve 1.5 GiB for 32k tokens, and the tests' requests need a few hundred."""
+    service = yaml.safe_load(SAMPLE.read_text())
+    for role in ("prefill", "decode"):
+        service["spec"][role]["args"] = ["--max-total-tokens", str(KV_TOKENS)]
+    path = local.root / "inferenceservice.yaml"
+    path.write_text(yaml.safe_dump(service))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(local: LocalCluster) -> Cluster:
+    """The API as the tests poll it (kubectl does what a user does; polling with it would
+    start a process ten times a second)."""
+    return Cluster(NS)
+
+
+def ready(cluster: Cluster) -> bool:
+    return cluster.condition(NAME, "Ready").get("status") == "True"
+
+
+def phase(cluster: Cluster) -> str:
+    return str(((cluster.get(NAME) or {}).get("status") or {}).get("phase", ""))
+
+
+def pods(cluster: Cluster, role: str) -> list[dict[str, Any]]:
+    found = cluster.core.list_namespaced_pod(NS, label_selector=f"baton.dev/role={role}")
+    return list(cluster.client.sanitize_for_serialization(found)["items"])
+
+
+def router_url(cluster: Cluster) -> str:
+    (router,) = pods(cluster, "router")
+    return f"http://{router['status']['podIP']}:8000"
+
+
+def uid(cluster: Cluster, kind: str, name: str) -> str:
+    """The uid of a live object ("" when there is none)."""
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.client)
+    read = {"deployment": cluster.apps.read_namespaced_deployment,
+            "service": cluster.core.read_namespaced_service,
+            "serviceaccount": cluster.core.read_namespaced_service_account,
+            "role": rbac.read_namespaced_role,
+            "rolebinding": rbac.read_namespaced_role_binding}[kind]
+    try:
+        return str(read(name, NS).metadata.uid)
+    except kubernetes.client.ApiException as e:
+        if e.status == 404:
+            return ""
+        raise
+
+
+def ready_decodes(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    found = re.search(r'baton_router_ready_workers\{role="decode"\} (\S+)', text)
+    return float(found.group(1)) if found else -1.0
+
+
+def served(pod: dict[str, Any]) -> float:
+    """Requests a worker pod finished, from its own /metrics."""
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=5,
+                     trust_env=False).text
+    return sum(float(v) for v in re.findall(r"^baton_requests_total\{[^}]*\} (\S+)", text, re.M))
+
+
+def chat(base_url: str, model: str, prompt: str, max_tokens: int = 24,
+         on_chunk: Callable[[], None] = lambda: None) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) of an openai SDK streamed chat completion."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=120,
+                           http_client=httpx.Client(trust_env=False))
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    text, tokens, finish = "", 0, ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+            on_chunk()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return text, tokens, finish
+
+
+def test_kubectl_apply_ends_in_a_ready_service(local: LocalCluster, cluster: Cluster,
+                                               sample: Path) -> None:
+    run_kubectl("--validate=false", "apply", "-f", str(REPO / "manifests" / "crd.yaml"),
+                namespace=None)
+    cluster.create_namespace()  # (the emulated API refuses kubectl's namespace POST)
+    watch = subprocess.Popen([str(kubectl()), "-n", NS, "get", "bisvc", "-w"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_kubectl("--validate=false", "apply", "-f", str(sample))
+        wait_for(lambda: ready(cluster), READY_S,
+                 lambda: f"{NAME} Ready; operator log:\n{local.operator_log()}")
+    finally:
+        watch.terminate()
+        output = watch.communicate(timeout=10)[0]
+    # Each row of `kubectl get -w` has its own column widths: find the phase by name.
+    rows = [re.search(r"\b(Pending|Progressing|Ready|Degraded|Failed)\b", line)
+            for line in output.splitlines()[1:]]
+    phases = [row.group(1) for row in rows if row]
+    distinct = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+    assert distinct == ["Pending", "Progressing", "Ready"], output
+    status = (cluster.get(NAME) or {})["status"]
+    for role in ("prefill", "decode", "router"):
+        assert status[role]["readyReplicas"] == status[role]["replicas"] == 1, status
+    assert status["url"] == f"http://{NAME}.{NS}.svc.cluster.local:8000"
+    (row,) = table_cells(run_kubectl("get", "bisvc"))
+    assert (row["READY"], row["PHASE"], row["PREFILL"], row["DECODE"], row["ROUTER"]) == (
+        "True", "Ready", "1", "1", "1"), row
+    assert row["URL"] == status["url"]
+    ips = [p["status"]["podIP"] for role in ("prefill", "decode", "router")
+           for p in pods(cluster, role)]
+    assert len(set(ips)) == 3 and all(ip.startswith("127.0.0.") for ip in ips), ips
+
+
+def test_streamed_chat_through_the_router_pod_equals_colocated(
+        cluster: Cluster, server: ServerProcess) -> None:
+    url = router_url(cluster)
+    for prompt in PROMPTS:
+        got = chat(url, "smollm2-135m", prompt)
+        want = chat(server.url, "smollm2", prompt)
+        assert got == want and got[1] > 0, prompt
+    body = {"text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    got_ids = httpx.post(f"{url}/generate", json=body, timeout=120, trust_env=False).json()
+    want_ids = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+    assert got_ids["output_ids"] == want_ids["output_ids"], (got_ids, want_ids)
+
+
+def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,
+                                                            cluster: Cluster) -> None:
+    url = router_url(cluster)
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                '{"spec":{"decode":{"replicas":2}}}')
+    wait_for(lambda: ready_decodes(url) == 2, READY_S, "a second decode in the router")
+    decodes = pods(cluster, "decode")
+    before = {p["metadata"]["name"]: served(p) for p in decodes}
+    for i in range(4):  # round robin: each decode gets two
+        assert chat(url, "smollm2-135m", f"Count to {i + 3}.", max_tokens=4)[1] == 4
+    after = {p["metadata"]["name"]: served(p) for p in decodes}
+    assert all(after[n] > before[n] for n in before), (before, after)
+
+    # Scale in with streams in flight on both decodes: none may fail.
+    leaving = max(decodes, key=lambda p: p["metadata"]["creationTimestamp"])
+    (process,) = [proc for pod, proc in local.runner.processes()  # type: ignore[union-attr]
+                  if pod.name == leaving["metadata"]["name"]]
+    results: list[tuple[str, int, str] | BaseException] = []
+    started = threading.Semaphore(0)
+
+    def one(i: int) -> None:
+        try:
+            results.append(chat(url, "smollm2-135m", f"Tell a long story number {i}.",
+                                max_tokens=48, on_chunk=started.release))
+        except BaseException as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream has its first chunk
+        assert started.acquire(timeout=60)
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                '{"spec":{"decode":{"replicas":1}}}')
+    for t in threads:
+        t.join(120)
+    assert len(results) == 4 and all(isinstance(r, tuple) and r[1:] == (48, "length")
+                                     for r in results), results
+    wait_for(lambda: ready_decodes(url) == 1, 30, "the router down to one decode")
+    assert leaving["metadata"]["name"] not in [
+        p["metadata"]["name"] for p in pods(cluster, "decode")]
+    wait_for(lambda: not alive({process}), 60, "the leaving decode's process to exit")
+
+
+def test_a_killed_prefill_is_restarted_and_the_service_recovers(local: LocalCluster,
+                                                                 cluster: Cluster) -> None:
+    (prefill,) = pods(cluster, "prefill")
+    name = prefill["metadata"]["name"]
+    (pid,) = [p for pod, p in local.runner.processes() if pod.name == name]  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: phase(cluster) == "Degraded", 30,
+             lambda: f"phase Degraded; operator log:\n{local.operator_log()}")
+    assert cluster.condition(NAME, "Degraded")["reason"] == "PodsLost"
+    wait_for(lambda: (pods(cluster, "prefill")[0]["status"]["containerStatuses"][0]
+                      ["restartCount"] == 1), 30, "restartCount 1")
+    wait_for(lambda: ready(cluster), READY_S,
+             lambda: f"Ready again; prefill log:\n{local.pod_log(NS, name)}")
+    assert pods(cluster, "prefill")[0]["metadata"]["name"] == name, "restarted in place"
+    url = router_url(cluster)
+    wait_for(lambda: httpx.get(f"{url}/ready", trust_env=False).status_code == 200, 30,
+             "router ready")
+    assert chat(url, "smollm2-135m", PROMPTS[0], max_tokens=8)[1] == 8
+
+
+def test_the_helm_rendered_operator_takes_over_and_reconciles(local: LocalCluster,
+                                                              cluster: Cluster) -> None:
+    """The chart's Deployment, RBAC and CRD from `helm template`, applied with kubectl: the
+    pod runner runs the operator pod (its rendered args, its ServiceAccount's RBAC). It takes
+    the running service over and puts back the router's objects deleted by hand; the new
+    router pod serves."""
+    assert local.stop_operator() == 0, local.operator_log()
+    rendered = subprocess.run(
+        [str(helm()), "template", "baton", str(REPO / "charts" / "baton"), "--namespace",
+         "baton-system", "--include-crds"], capture_output=True, text=True, check=True).stdout
+    manifest = local.root / "chart.yaml"
+    manifest.write_text(rendered)
+    Cluster("baton-system").create_namespace()
+    run_kubectl("--validate=false", "apply", "-f", str(manifest), namespace=None)
+    operator = wait_for(lambda: _running_pod("baton-system", "operator"), 30, "operator pod")
+    assert operator["spec"]["serviceAccountName"] == "baton-operator"
+
+    def log() -> str:
+        return local.pod_log("baton-system", operator["metadata"]["name"])
+
+    before = {obj: uid(cluster, *obj) for obj in ROUTER_OBJECTS}
+    run_kubectl("delete", *(f"{kind}/{name}" for kind, name in ROUTER_OBJECTS))
+    wait_for(lambda: all(uid(cluster, *obj) not in ("", before[obj]) for obj in ROUTER_OBJECTS),
+             30, lambda: f"the router's objects back; the chart's operator's log:\n{log()}")
+    router = uid(cluster, "deployment", f"{NAME}-router")
+    wait_for(lambda: [p["metadata"]["ownerReferences"][0]["uid"]
+                      for p in pods(cluster, "router")] == [router], 30, "the new router pod")
+    wait_for(lambda: ready(cluster), READY_S,
+             lambda: f"Ready under the chart's operator; its log:\n{log()}")
+    url = router_url(cluster)
+    wait_for(lambda: httpx.get(f"{url}/ready", trust_env=False).status_code == 200, 30,
+             "the new router ready")
+    assert chat(url, "smollm2-135m", PROMPTS[0], max_tokens=8)[1] == 8
+
+
+def test_deleting_the_service_removes_every_child_and_process(local: LocalCluster) -> None:
+    everything = _pod_processes(local, NS)
+    assert everything
+    run_kubectl("delete", "bisvc", NAME, timeout=60)
+    kinds = "deployments,services,pods,serviceaccounts,roles,rolebindings"
+    wait_for(lambda: run_kubectl("get", kinds, "-o", "name").split() in (
+        [], ["serviceaccount/default"]), 30, "no child objects")
+    wait_for(lambda: not alive(everything), 90, "every pod process gone")
+
+
+def _running_pod(namespace: str, component: str) -> dict[str, Any] | None:
+    out = run_kubectl("get", "pods", "-l", f"app.kubernetes.io/component={component}",
+                      "-o", "yaml", namespace=namespace)
+    for pod in yaml.safe_load(out)["items"]:
+        if (pod.get("status") or {}).get("phase") == "Running":
+            return dict(pod)
+    return None
+
+
+def _pod_processes(local: LocalCluster, namespace: str | None = None) -> set[int]:
+    """Every process of the cluster's pods (in `namespace`), their children included."""
+    assert local.runner is not None
+    pids = {pid for pod, pid in local.runner.processes()
+            if namespace is None or pod.namespace == namespace}
+    return pids | {child for pid in pids for child in descendants(pid)}
