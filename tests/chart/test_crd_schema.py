@@ -10,6 +10,8 @@ import jsonschema
 import pytest
 from chart_support import errors, isvc
 
+from tests.kube.kmock_admission import apply_defaults
+
 POOL_DEFAULTS = {
     "replicas": 1,
     "sharedMemorySize": "1Gi",
@@ -21,21 +23,6 @@ PRESERVE_UNKNOWN = {
     for role in ("prefill", "decode")
     for field in ("resources", "env[]", "tolerations[]", "template")
 } | {"spec.router.resources", "spec.router.env[]", "status.kopf"}
-
-
-def apply_defaults(obj: Any, schema: dict[str, Any]) -> Any:
-    """Structural defaulting as the API server does it: a missing property takes its default,
-    then its own properties are defaulted (so `default: {}` pools get their nested defaults)."""
-    if isinstance(obj, dict):
-        for key, sub in schema.get("properties", {}).items():
-            if key not in obj and "default" in sub:
-                obj[key] = copy.deepcopy(sub["default"])
-            if key in obj:
-                apply_defaults(obj[key], sub)
-    elif isinstance(obj, list) and "items" in schema:
-        for item in obj:
-            apply_defaults(item, schema["items"])
-    return obj
 
 
 def walk(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
