@@ -3,8 +3,10 @@ talks to the HTTP process over ZMQ.
 
 Loop, one breath: receive (non-blocking while there is work, else a bounded wait that a role's
 thread can cut short through the wake pipe: a KV transfer that completes is handled at once) →
-`role.poll()` (prefill/decode queues) → `scheduler.step()` (its OutputStreamer sends the outputs)
-→ send stats when they changed.
+`scheduler.step()` (its OutputStreamer sends the outputs) → `role.poll()` (prefill/decode
+queues: right after the step, so a room its outputs moved on goes on in the same breath, and a
+request the role hands to the scheduler makes the next receive non-blocking) → send stats when
+they changed. No handoff may wait for the role's poll tick (tests/disagg/test_pd_wakeups.py).
 Started with multiprocessing `spawn` by `runtime.server.main`; it connects, the HTTP side binds.
 """
 
@@ -125,10 +127,10 @@ class SchedulerLoop:
     def run(self) -> None:
         while not self.stopping:
             self._receive(self._wait_ms())
-            self._poll_role()
             if self.scheduler.has_work() or self.need_step:
                 self.need_step = False
                 self._step()
+            self._poll_role()  # after the step: a prefill's first token starts its transfer now
             self._send_stats()
         self._drain()
 
