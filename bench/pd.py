@@ -44,8 +44,7 @@ def make_pool() -> Any:
 
     pool = KVPool(LAYOUT["num_layers"], POOL_TOKENS // LAYOUT["page_size"], LAYOUT["page_size"],
                   LAYOUT["num_kv_heads"], LAYOUT["head_dim"], torch.float32)
-    for t in pool.k + pool.v:
-        t.normal_()
+    pool.buffer.normal_()
     return pool
 
 

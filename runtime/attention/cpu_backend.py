@@ -31,10 +31,9 @@ class CpuAttention(TorchAttention):
 
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> CpuAttention:
-        k0 = pool.k[0]
-        if k0.device.type != "cpu" or k0.dtype != torch.float32:
+        if pool.device.type != "cpu" or pool.dtype != torch.float32:
             raise BackendUnavailable(
-                f"cpu attention needs a float32 CPU pool, not {k0.dtype} on {k0.device}"
+                f"cpu attention needs a float32 CPU pool, not {pool.dtype} on {pool.device}"
             )
         if pool.head_dim not in HEAD_DIMS:
             raise BackendUnavailable(f"cpu attention: head_dim {pool.head_dim} not in {HEAD_DIMS}")
@@ -47,15 +46,20 @@ class CpuAttention(TorchAttention):
         if batch.mode != "decode":
             super().begin(batch)
             return
+        self.decode_batch: ForwardBatch | None = batch  # for the torch path, if a layer needs it
+        self.out_loc = self.pool.locate(batch.out_cache_loc)
         self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)  # [B]
         # [B, max_len] slot of every position of every request (rows are contiguous copies)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, : max(batch.seq_lens)]
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
-        if h // self.pool.num_kv_heads > MAX_GROUP:
+        if h // self.pool.num_kv_heads > MAX_GROUP:  # more than the kernel takes: plain torch
+            if self.decode_batch is not None:
+                super().begin(self.decode_batch)
+                self.decode_batch = None
             return super()._decode(layer, q)
         out = torch.empty_like(q)  # [B, H, D]
-        self.op(q.contiguous(), self.pool.k[layer], self.pool.v[layer], self.slot_table,
-                self.seq_lens, self.scale, out)
+        k_pages, v_pages = self.pool.pages(layer)
+        self.op(q.contiguous(), k_pages, v_pages, self.slot_table, self.seq_lens, self.scale, out)
         return out.view(b, h * d)

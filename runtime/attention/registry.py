@@ -33,7 +33,7 @@ def create_attention_backend(
     name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
 ) -> AttentionBackend:
     if name == "auto":
-        if pool.k[0].device.type == "cpu":
+        if pool.device.type == "cpu":
             try:
                 return _create("cpu", pool, req_to_token, scale)
             except BackendUnavailable as e:

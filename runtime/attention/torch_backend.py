@@ -16,6 +16,7 @@ from runtime.forward_batch import ForwardBatch
 
 class TorchAttention(AttentionBackend):
     def begin(self, batch: ForwardBatch) -> None:
+        self.out_loc = self.pool.locate(batch.out_cache_loc)  # where every layer writes
         seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
         max_len = max(batch.seq_lens)
         # [B, L] slot of every position of every request (stale past each request's length)
@@ -37,7 +38,7 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.pool.write(layer, batch.out_cache_loc, k, v)
+        self.pool.write(layer, self.out_loc, k, v)
         if batch.mode == "decode":
             return self._decode(layer, q)
         return self._extend(layer, q, k, v, batch)
@@ -69,8 +70,7 @@ class TorchAttention(AttentionBackend):
             if prefix == 0:
                 ki, vi, mask, causal = k[lo:hi], v[lo:hi], None, True
             else:
-                slots = self.slot_table[i, : prefix + n]
-                ki, vi = self.pool.k[layer][slots], self.pool.v[layer][slots]
+                ki, vi = self.pool.read(layer, self.pool.locate(self.slot_table[i, : prefix + n]))
                 # query j (absolute position prefix + j) sees keys 0..prefix + j
                 mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(diagonal=prefix)
                 causal = False

@@ -71,7 +71,6 @@ class DecodeRole(Generic[R]):
         self.prealloc: deque[int] = deque()
         self.workers = ThreadPoolExecutor(4, thread_name_prefix="decode-peers")
         self.heartbeats = Heartbeats(self.client.alive, self.workers, self.config, self.wake)
-        self.kv_bytes_per_page = self.transfer.layout.page_bytes * self.transfer.layout.num_layers
         self._aborted: list[R] = []
 
     def add(self, req: R) -> None:
@@ -172,7 +171,7 @@ class DecodeRole(Generic[R]):
         r.req.append_token(aux.token, aux.logprob, top, aux.customized_info)
         r.room.advance(RoomState.SUCCESS)
         self.stats.transfers += 1
-        self.stats.transfer_bytes += len(r.req.kv_pages) * 2 * self.kv_bytes_per_page
+        self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
         self.transfer.discard(r.room.room)
         self._drop(r)
         touched.extend(self.scheduler.process_prebuilt([r.req]))

@@ -33,9 +33,9 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V)."""
+        """Bytes of one page: K and V of every layer (the page-major pool's unit)."""
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if pages can move between the two; else what differs, for an error message."""

@@ -1,14 +1,21 @@
-"""The KV pool: per layer one K and one V buffer, allocated once at start-up.
+"""The KV pool: one buffer, allocated once at start-up, page-major.
 
-Nothing may reallocate or resize these buffers while serving: transfer backends register them
-once and address pages by (layer, page index). Page p is slots [p * page_size, (p + 1) * page_size),
-and a request's position i always lives in slot `pages[i // page_size] * page_size + i % page_size`
-(KVCacheManager.grow), so whole pages can be copied or gathered as blocks.
+    buffer [num_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]
+
+A page holds K and V of every layer for `page_size` positions in one contiguous block, so a
+transfer moves a page as one block (DESIGN.md "KV cache layout": one buffer holding all layers).
+One layer's K (or V) is a strided view [num_pages, page_size, num_kv_heads, head_dim]. Slot s is
+position s % page_size of page s // page_size, and a request's position i always lives in slot
+`pages[i // page_size] * page_size + i % page_size` (KVCacheManager.grow).
+Nothing may reallocate or resize the buffer while serving: transfer backends register it once
+and address it by page index.
 """
 
 from __future__ import annotations
 
 import torch
+
+Loc = tuple[torch.Tensor, torch.Tensor]  # (page, offset in the page) of some slots: [T] each
 
 
 class KVPool:
@@ -25,25 +32,42 @@ class KVPool:
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
-        self.num_slots = num_slots = num_pages * page_size
+        self.num_slots = num_pages * page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_slots, num_kv_heads, head_dim)
-        # [num_slots, num_kv_heads, head_dim] per layer
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V. slots: [T]; k, v: [T, num_kv_heads, head_dim]."""
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+        self.buffer = torch.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+                                  dtype=dtype, device=device)
+        self.dtype, self.device = dtype, self.buffer.device
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as [num_pages, page_size, num_kv_heads, head_dim] views."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+        """K and V of one layer as [num_pages, page_size, num_kv_heads, head_dim] strided views."""
+        return self.buffer[:, layer, 0], self.buffer[:, layer, 1]
+
+    def locate(self, slots: torch.Tensor) -> Loc:
+        """Where slots [T] live; computed once per batch, used by every layer."""
+        return slots // self.page_size, slots % self.page_size
+
+    def write(self, layer: int, loc: Loc, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V at `loc`. k, v: [T, num_kv_heads, head_dim]."""
+        k_pages, v_pages = self.pages(layer)
+        k_pages[loc] = k
+        v_pages[loc] = v
+
+    def read(self, layer: int, loc: Loc) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `loc`, gathered: [T, num_kv_heads, head_dim] each."""
+        k_pages, v_pages = self.pages(layer)
+        return k_pages[loc], v_pages[loc]
+
+    def page_rows(self) -> torch.Tensor:
+        """The buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""
+        return self.buffer.view(torch.uint8).view(self.num_pages, -1)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of every layer."""
+        return self.buffer[0].numel() * self.buffer.element_size()
 
     @property
     def bytes_per_slot(self) -> int:
-        k0 = self.k[0]
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * k0.element_size()
+        return self.page_bytes // self.page_size

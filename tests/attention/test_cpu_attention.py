@@ -36,8 +36,7 @@ def decode_setup(
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
     pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, torch.float32)
-    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
-    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
     allocator = PageAllocator(num_pages, page_size)
     everything = allocator.alloc(num_pages)  # hand all pages back in random order: scattered
     allocator.free([everything[i] for i in torch.randperm(num_pages, generator=g).tolist()])
@@ -93,7 +92,7 @@ def reference64(pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch, q: tor
     outs = []
     for i, n in enumerate(batch.seq_lens):
         slots = table.table[int(batch.req_pool_indices[i]), :n]
-        keys, values = pool.k[0][slots].double(), pool.v[0][slots].double()  # [n, KVH, D]
+        keys, values = (t.double() for t in pool.read(0, pool.locate(slots)))  # [n, KVH, D]
         keys[-1], values[-1] = k[i], v[i]  # the new token's own K/V
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         weights = (torch.einsum("hd,nhd->hn", q[i].double(), keys) * q.shape[-1] ** -0.5).softmax(-1)
@@ -123,8 +122,10 @@ def test_native_decode_reads_only_its_own_slots() -> None:
     used = torch.cat([table.table[i, :n] for i, n in enumerate(batch.seq_lens)])
     unused = torch.ones(pool.num_slots, dtype=torch.bool)
     unused[used] = False
-    pool.k[0][unused] = 1e4
-    pool.v[0][unused] = float("nan")
+    k_pages, v_pages = pool.pages(0)
+    at = pool.locate(unused.nonzero().squeeze(1))
+    k_pages[at] = 1e4
+    v_pages[at] = float("nan")
     torch.testing.assert_close(run("cpu", pool, table, batch, q, k, v), before)
 
 
@@ -137,12 +138,15 @@ def test_kernel_rejects_bad_input_instead_of_reading_out_of_bounds() -> None:
     lens = attn.seq_lens.clone()
     slots = attn.slot_table.clone()
     slots[1, 2] = pool.num_slots  # one past the end of the pool
+    k_pages, v_pages = pool.pages(0)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        attn.op(q, pool.k[0], pool.v[0], slots, lens, 0.125, out)
+        attn.op(q, k_pages, v_pages, slots, lens, 0.125, out)
     with pytest.raises(RuntimeError, match="bad seq_len"):
-        attn.op(q, pool.k[0], pool.v[0], attn.slot_table, lens * 100, 0.125, out)
+        attn.op(q, k_pages, v_pages, attn.slot_table, lens * 100, 0.125, out)
     with pytest.raises(RuntimeError, match="float32"):
-        attn.op(q.double(), pool.k[0], pool.v[0], attn.slot_table, lens, 0.125, out)
+        attn.op(q.double(), k_pages, v_pages, attn.slot_table, lens, 0.125, out)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        attn.op(q, k_pages.transpose(1, 2), v_pages.transpose(1, 2), attn.slot_table, lens, 0.125, out)
 
 
 def test_auto_picks_the_native_kernel_on_cpu_float32() -> None:

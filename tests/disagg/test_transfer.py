@@ -18,8 +18,7 @@ from runtime.kvcache.pool import KVPool
 def pool(num_pages: int, dtype: torch.dtype = torch.float32, page_size: int = 4) -> KVPool:
     p = KVPool(3, num_pages, page_size, 2, 8, dtype)
     gen = torch.Generator().manual_seed(num_pages)
-    for t in p.k + p.v:
-        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    p.buffer.copy_(torch.randn(p.buffer.shape, generator=gen).to(dtype))
     return p
 
 
@@ -51,7 +50,8 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
     t.start()
     nbytes = sender.write("decode", a, 77, src_pages, dst_pages)
     t.join(10)
-    assert nbytes == len(src_pages) * 2 * src.num_layers * layout_of(src).page_bytes
+    assert nbytes == len(src_pages) * 2 * src.num_layers * src.page_size * 2 * 8 * src.buffer.element_size()
+    assert nbytes == len(src_pages) * layout_of(src).page_bytes == len(src_pages) * src.page_bytes
     for _ in range(1000):
         if receiver.landed(77):
             break
@@ -69,13 +69,10 @@ def test_pages_land_exactly_where_asked(name: str, dtype: torch.dtype) -> None:
     # runs on both sides (5-7 -> 2-4, 14-15 -> 17-18), runs on one side only, gaps, any order
     src_pages, dst_pages = [5, 6, 7, 0, 15, 14, 15, 9], [2, 3, 4, 39, 0, 17, 18, 19]
     untouched = [p for p in range(40) if p not in dst_pages]
-    before = [t.clone() for t in dst.k + dst.v]
+    before = dst.buffer.clone()
     move(name, src, dst, src_pages, dst_pages)
     assert pages_equal(src, src_pages, dst, dst_pages)
-    after = dst.k + dst.v
-    for old, new in zip(before, after, strict=True):
-        shape = (dst.num_pages, -1)
-        assert torch.equal(old.view(shape)[untouched], new.view(shape)[untouched])
+    assert torch.equal(before[untouched], dst.buffer[untouched])
 
 
 def test_unknown_backend_and_layout_mismatch_messages() -> None:
@@ -91,5 +88,5 @@ def test_tcp_refuses_a_frame_that_does_not_fit() -> None:
     receiver = transfer("tcp", dst)
     a, b = socket.socketpair()
     with pytest.raises(TransferError, match="out of range"):
-        receiver.read_pages(PagesFrame(1, [9], 4 * 2 * 3 * layout_of(dst).page_bytes // 4), b)
+        receiver.read_pages(PagesFrame(1, [9], layout_of(dst).page_bytes), b)
     a.close(), b.close()

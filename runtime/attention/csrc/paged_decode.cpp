@@ -9,7 +9,9 @@
 // of torch's SDPA (tests/attention).
 //
 //   q        [B, H, D]           float32, contiguous
-//   k, v     [S, KVH, D]         float32, contiguous: one layer of the pool
+//   k, v     [P, PS, KVH, D]     float32, one layer of the page-major pool: pages of PS slots,
+//                                a page's rows contiguous, pages `stride(0)` floats apart
+//                                (slot s is row s % PS of page s / PS)
 //   slots    [B, >= max(lens)]   int64, contiguous rows (req_to_token rows)
 //   seq_lens [B]                 int64
 //   out      [B, H, D]           float32, contiguous, written
@@ -66,17 +68,23 @@ inline Vec exp_nonpositive(Vec x) {
   return p * scale;
 }
 
+struct Pages {  // where a slot's row of one kv head starts, relative to that head's base
+  int64_t page_size, page_stride, row_stride, num_slots;
+  int64_t at(int64_t s) const {
+    TORCH_CHECK(s >= 0 && s < num_slots, "paged_decode: slot out of range");
+    return (s / page_size) * page_stride + (s % page_size) * row_stride;
+  }
+};
+
 // One (request, kv head): G query heads of C * 16 dims over L positions.
 // score: scratch of G * L floats.
 template <int C>
 void attend(const float* q, const float* k, const float* v, const int64_t* slot, int64_t L,
-            int64_t G, int64_t slot_stride, int64_t num_slots, float scale, float* score,
-            float* out) {
+            int64_t G, const Pages& pages, float scale, float* score, float* out) {
   float max_score[kMaxGroup];
   std::fill(max_score, max_score + G, -INFINITY);
   for (int64_t j = 0; j < L; ++j) {  // scores: q . k_j for every head of the group
-    TORCH_CHECK(slot[j] >= 0 && slot[j] < num_slots, "paged_decode: slot out of range");
-    const float* kj = k + slot[j] * slot_stride;
+    const float* kj = k + pages.at(slot[j]);
     Vec kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load(kj + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
@@ -111,7 +119,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slot,
   for (int64_t h = 0; h < G; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = Vec{};
   for (int64_t j = 0; j < L; ++j) {  // weighted sum of the values
-    const float* vj = v + slot[j] * slot_stride;
+    const float* vj = v + pages.at(slot[j]);
     Vec vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load(vj + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
@@ -139,22 +147,27 @@ AttendFn pick(int64_t head_dim) {
 void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slots, const at::Tensor& seq_lens, double scale,
                   at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
-              "paged_decode: q/out [B, H, D], k/v [S, KVH, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && out.sizes() == q.sizes(),
+              "paged_decode: q/out [B, H, D], k/v [P, PS, KVH, D]");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
-                "paged_decode: q, k, v, out must be contiguous float32 CPU tensors");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "paged_decode: q, k, v, out must be float32 CPU tensors");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "paged_decode: q, out must be contiguous");
+  TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == k.size(3) &&
+                  k.stride(1) == k.size(2) * k.size(3),
+              "paged_decode: k/v pages must have contiguous rows and the same strides");
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   slots.dim() == 2 && slots.stride(1) == 1 && seq_lens.is_contiguous(),
               "paged_decode: slots [B, L] and seq_lens [B] must be int64 with contiguous rows");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && H % KVH == 0 && H / KVH <= kMaxGroup,
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(3) == D && H % KVH == 0 && H / KVH <= kMaxGroup,
               "paged_decode: head counts/dims do not match");
   TORCH_CHECK(slots.size(0) == B && seq_lens.size(0) == B, "paged_decode: batch sizes differ");
   const AttendFn fn = pick(D);
   TORCH_CHECK(fn != nullptr, "paged_decode: head_dim ", D, " not compiled (32/64/96/128/256)");
 
-  const int64_t G = H / KVH, row_stride = slots.stride(0), num_slots = k.size(0);
+  const int64_t G = H / KVH, row_stride = slots.stride(0);
+  const Pages pages{k.size(1), k.stride(0), KVH * D, k.size(0) * k.size(1)};
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= slots.size(1), "paged_decode: bad seq_len ", lens[b]);
@@ -170,8 +183,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t b = item / KVH, g = item % KVH, L = lens[b];
       score.resize(G * L);
       const int64_t head0 = b * H + g * G;
-      fn(qp + head0 * D, kp + g * D, vp + g * D, sp + b * row_stride, L, G, KVH * D, num_slots,
-         sc, score.data(), op + head0 * D);
+      fn(qp + head0 * D, kp + g * D, vp + g * D, sp + b * row_stride, L, G, pages, sc,
+         score.data(), op + head0 * D);
     }
   });
 }

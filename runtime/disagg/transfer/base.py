@@ -1,8 +1,9 @@
 """KVTransfer: moves whole KV pages of one server's pool into another server's pool.
 
 The prefill side writes, the decode side receives. Both register their pool once at start-up
-(DESIGN.md "KV cache layout": the buffers never move, page p always means the same slots), so a
-transfer is "these source pages, into those destination pages, of every layer, K and V".
+(DESIGN.md "KV cache layout": the buffer never moves, page p always means the same slots), so a
+transfer is "these source pages, into those destination pages". The pool is page-major: a page
+(K and V of every layer) is one contiguous block of `layout.page_bytes`.
 `create_transfer` imports a backend only when it is asked for (nixl is optional).
 """
 
@@ -12,8 +13,6 @@ import importlib
 import socket
 from abc import ABC, abstractmethod
 from typing import Any
-
-import torch
 
 from runtime.disagg.wire import KVLayout, PagesFrame
 from runtime.kvcache.pool import KVPool
@@ -29,7 +28,7 @@ class TransferError(RuntimeError):
 
 
 def layout_of(pool: KVPool) -> KVLayout:
-    dtype = str(pool.k[0].dtype).removeprefix("torch.")
+    dtype = str(pool.dtype).removeprefix("torch.")
     return KVLayout(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, dtype)
 
 
@@ -41,13 +40,6 @@ class KVTransfer(ABC):
         self.agent_name = agent_name
         self.layout = layout_of(pool)
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The pool's buffers in transfer order: layer 0 K, layer 0 V, layer 1 K, ..."""
-        return [t for layer in range(self.pool.num_layers) for t in (self.pool.k[layer], self.pool.v[layer])]
-
-    def page_views(self) -> list[torch.Tensor]:
-        """Each buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""
-        return [b.view(torch.uint8).view(self.pool.num_pages, -1) for b in self.buffers()]
 
     def local_info(self) -> dict[str, Any]:
         """What a peer needs to reach this side's pool (sent at peer registration)."""

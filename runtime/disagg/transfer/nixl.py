@@ -1,10 +1,9 @@
 """nixl backend: the prefill WRITEs pages straight into the decode pool over UCX.
 
-Both sides register every pool buffer once. A transfer is one WRITE whose descriptors are the
-room's runs of pages that are adjacent on both sides (a run of n pages of one buffer is one
-descriptor of n pages' bytes: UCX pays per descriptor, ~10 us each with cma on loopback, so a
-fresh pool's one run of 256 pages is 60 descriptors, not 15 360), with the room id as its
-notification.
+Both sides register their pool's buffer once. A transfer is one WRITE whose descriptors are the
+room's runs of pages that are adjacent on both sides (the pool is page-major, so a run of n
+pages is one block of n pages' bytes, every layer's K and V: UCX pays per descriptor, ~10 us
+each with cma on loopback), with the room id as its notification.
 
 Progress: nixl's own progress thread (pthrDelay 0, not settable from Python) kept a core busy
 in every process with a connected peer, idle or not; on a 2-core host that made PD decode ~1.8x
@@ -37,7 +36,7 @@ PROGRESS_S = 0.0005  # decode side: poll for notifications this often while a ro
 @dataclass
 class _Peer:
     agent: str  # its nixl agent name
-    addrs: list[int]  # its pool buffers, in transfer order
+    addr: int  # its pool buffer
     num_pages: int
     mem: str
     dev: int
@@ -55,7 +54,7 @@ def paired_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray,
 
 
 def _mem_type(pool: KVPool) -> tuple[str, int]:
-    dev = pool.k[0].device
+    dev = pool.device
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
 
 
@@ -69,9 +68,8 @@ class NixlTransfer(KVTransfer):
                                                               backends=["UCX"]))
         self._lock = threading.Lock()  # one caller into the agent at a time
         self.page_bytes = self.layout.page_bytes
-        buffers = self.buffers()
-        self.agent.register_memory(buffers)
-        self.addrs = [b.data_ptr() for b in buffers]
+        self.agent.register_memory([pool.buffer])
+        self.addr = pool.buffer.data_ptr()
         self.peers: dict[str, _Peer] = {}
         self._landed: set[int] = set()
         self._expected: set[int] = set()
@@ -81,24 +79,23 @@ class NixlTransfer(KVTransfer):
                                           daemon=True)
         self._progress.start()
 
-    def _descs(self, addrs: list[int], dev: int, starts: np.ndarray, pages: np.ndarray) -> np.ndarray:
-        """Nx3 (address, bytes, device) rows: each run of every buffer, in buffer order."""
-        pb = self.page_bytes
-        rows = np.empty((len(addrs) * len(starts), 3), dtype=np.int64)
-        rows[:, 0] = (np.asarray(addrs, dtype=np.int64)[:, None] + starts[None, :] * pb).ravel()
-        rows[:, 1] = np.tile(pages * pb, len(addrs))
+    def _descs(self, addr: int, dev: int, starts: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Nx3 (address, bytes, device) rows: one per run of pages."""
+        rows = np.empty((len(starts), 3), dtype=np.int64)
+        rows[:, 0] = addr + starts * self.page_bytes
+        rows[:, 1] = pages * self.page_bytes
         rows[:, 2] = dev
         return rows
 
     def local_info(self) -> dict[str, Any]:
         metadata = self.agent.get_agent_metadata()
         return {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(),
-                "addrs": self.addrs, "num_pages": self.pool.num_pages, "mem": self.mem,
+                "addr": self.addr, "num_pages": self.pool.num_pages, "mem": self.mem,
                 "dev": self.dev}
 
     def connect(self, peer_id: str, info: dict[str, Any]) -> None:
         try:
-            peer = _Peer("", [int(a) for a in info["addrs"]], int(info["num_pages"]), str(info["mem"]),
+            peer = _Peer("", int(info["addr"]), int(info["num_pages"]), str(info["mem"]),
                          int(info["dev"]))
             with self._lock:
                 peer.agent = self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
@@ -127,8 +124,8 @@ class NixlTransfer(KVTransfer):
                 self.agent.send_notif(peer.agent, str(room).encode())
             return 0
         with self._lock:
-            local = self.agent.get_xfer_descs(self._descs(self.addrs, self.dev, src_at, pages), self.mem)
-            remote = self.agent.get_xfer_descs(self._descs(peer.addrs, peer.dev, dst_at, pages), peer.mem)
+            local = self.agent.get_xfer_descs(self._descs(self.addr, self.dev, src_at, pages), self.mem)
+            remote = self.agent.get_xfer_descs(self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem)
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer.agent, str(room).encode())
             state = self.agent.transfer(handle)
         try:
@@ -136,7 +133,7 @@ class NixlTransfer(KVTransfer):
         finally:
             with self._lock:
                 self.agent.release_xfer_handle(handle)
-        return len(src_pages) * self.page_bytes * len(self.addrs)
+        return len(src_pages) * self.page_bytes
 
     def _wait(self, handle: Any, state: str, room: int) -> None:
         deadline = time.monotonic() + WRITE_TIMEOUT_S

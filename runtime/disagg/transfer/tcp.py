@@ -1,7 +1,7 @@
 """tcp backend: pages streamed over the prefill->decode link itself.
 
-The byte stream after a PagesFrame header is every buffer in order (layer 0 K, layer 0 V, ...),
-each as the room's pages in list order. On a CPU pool both sides use scatter/gather socket I/O
+The byte stream after a PagesFrame header is the room's pages in list order, each one block
+of the page-major pool (K and V of every layer). On a CPU pool both sides use scatter/gather socket I/O
 (`sendmsg` from the source pages, `recvmsg_into` the destination pages), so KV goes from one
 pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A pool on a
 GPU goes through host staging. The fallback where nixl is missing.
@@ -32,10 +32,9 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def page_views(views: list[torch.Tensor], pages: list[int]) -> list[memoryview]:
-    """Memoryviews of these pages of every buffer, in stream order (CPU pools)."""
-    spans = runs(pages)
-    return [memoryview(v[a:b].numpy()).cast("B") for v in views for a, b in spans]  # type: ignore[arg-type]
+def page_views(rows: torch.Tensor, pages: list[int]) -> list[memoryview]:
+    """Memoryviews of these pages of the pool's page rows, in stream order (CPU pools)."""
+    return [memoryview(rows[a:b].numpy()).cast("B") for a, b in runs(pages)]  # type: ignore[arg-type]
 
 
 def _advance(parts: list[memoryview], i: int, n: int) -> int:
@@ -69,40 +68,39 @@ class TcpTransfer(KVTransfer):
 
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
-        self.views = self.page_views()  # [num_pages, page_bytes] uint8 per buffer
-        self.on_cpu = self.views[0].device.type == "cpu"
+        self.rows = pool.page_rows()  # [num_pages, page_bytes] uint8
+        self.on_cpu = pool.device.type == "cpu"
         self._landed: set[int] = set()
         self._lock = threading.Lock()
 
     def write(
         self, peer_id: str, link: socket.socket, room: int, src_pages: list[int], dst_pages: list[int]
     ) -> int:
-        nbytes = len(src_pages) * self.views[0].shape[1] * len(self.views)
+        nbytes = len(src_pages) * self.layout.page_bytes
         send_frame(link, PagesFrame(room, dst_pages, nbytes))
         if self.on_cpu:
-            send_views(link, page_views(self.views, src_pages))
+            send_views(link, page_views(self.rows, src_pages))
         else:
-            src = torch.tensor(src_pages, dtype=torch.int64, device=self.views[0].device)
-            blocks = [v.index_select(0, src).cpu() for v in self.views]
-            send_views(link, [memoryview(b.numpy()).cast("B") for b in blocks])  # type: ignore[arg-type]
+            src = torch.tensor(src_pages, dtype=torch.int64, device=self.rows.device)
+            block = self.rows.index_select(0, src).cpu()
+            send_views(link, [memoryview(block.numpy()).cast("B")])  # type: ignore[arg-type]
         return nbytes
 
     def read_pages(self, frame: PagesFrame, link: socket.socket) -> None:
         n = len(frame.dst_pages)
-        page_bytes = self.views[0].shape[1]
-        if frame.nbytes != n * page_bytes * len(self.views):
+        page_bytes = self.layout.page_bytes
+        if frame.nbytes != n * page_bytes:
             raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
-                                f"{page_bytes} x {len(self.views)} buffers")
+                                f"{page_bytes} bytes")
         if n and not 0 <= min(frame.dst_pages) <= max(frame.dst_pages) < self.pool.num_pages:
             raise TransferError(f"room {frame.room}: page index out of range")
         if self.on_cpu:
-            recv_views(link, page_views(self.views, frame.dst_pages))
+            recv_views(link, page_views(self.rows, frame.dst_pages))
         else:
             staging = torch.empty((n, page_bytes), dtype=torch.uint8)
-            dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.views[0].device)
-            for view in self.views:
-                recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
-                view.index_copy_(0, dst, staging.to(view.device))
+            dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.rows.device)
+            recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
+            self.rows.index_copy_(0, dst, staging.to(self.rows.device))
         with self._lock:
             self._landed.add(frame.room)
 
