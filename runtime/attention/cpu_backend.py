@@ -51,6 +51,7 @@ class CpuAttention(TorchAttention):
         self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)  # [B]
         # [B, max_len] slot of every position of every request (rows are contiguous copies)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, : max(batch.seq_lens)]
+        self.row_table = self.pool.row_offsets(self.slot_table)  # [B, max_len], every layer
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
@@ -61,5 +62,5 @@ class CpuAttention(TorchAttention):
             return super()._decode(layer, q)
         out = torch.empty_like(q)  # [B, H, D]
         k_pages, v_pages = self.pool.pages(layer)
-        self.op(q.contiguous(), k_pages, v_pages, self.slot_table, self.seq_lens, self.scale, out)
+        self.op(q.contiguous(), k_pages, v_pages, self.row_table, self.seq_lens, self.scale, out)
         return out.view(b, h * d)

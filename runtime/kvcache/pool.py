@@ -59,6 +59,12 @@ class KVPool:
         k_pages, v_pages = self.pages(layer)
         return k_pages[loc], v_pages[loc]
 
+    def row_offsets(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where each slot's row starts in a layer's K (or V) view, in elements from its first
+        element (the same for every layer): for kernels that address the pool directly."""
+        k_pages = self.buffer[:, 0, 0]
+        return (slots // self.page_size) * k_pages.stride(0) + (slots % self.page_size) * k_pages.stride(1)
+
     def page_rows(self) -> torch.Tensor:
         """The buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""
         return self.buffer.view(torch.uint8).view(self.num_pages, -1)

@@ -21,6 +21,8 @@ from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
+LAYER = 1  # a middle layer of a 3-layer pool: pages are strided past the other layers
+
 
 @dataclass
 class Holder:  # what KVCacheManager needs of a request
@@ -35,7 +37,7 @@ def decode_setup(
     """A pool filled with random K/V, requests of `seq_lens` on shuffled pages, one decode batch."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, torch.float32)
+    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, torch.float32)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
     allocator = PageAllocator(num_pages, page_size)
     everything = allocator.alloc(num_pages)  # hand all pages back in random order: scattered
@@ -67,7 +69,7 @@ def run(backend: str, pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch,
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     attn = create_attention_backend(backend, pool, table, q.shape[-1] ** -0.5)
     attn.begin(batch)
-    return attn.forward(0, q, k, v, batch)
+    return attn.forward(LAYER, q, k, v, batch)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def reference64(pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch, q: tor
     outs = []
     for i, n in enumerate(batch.seq_lens):
         slots = table.table[int(batch.req_pool_indices[i]), :n]
-        keys, values = (t.double() for t in pool.read(0, pool.locate(slots)))  # [n, KVH, D]
+        keys, values = (t.double() for t in pool.read(LAYER, pool.locate(slots)))  # [n, KVH, D]
         keys[-1], values[-1] = k[i], v[i]  # the new token's own K/V
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         weights = (torch.einsum("hd,nhd->hn", q[i].double(), keys) * q.shape[-1] ** -0.5).softmax(-1)
@@ -122,7 +124,7 @@ def test_native_decode_reads_only_its_own_slots() -> None:
     used = torch.cat([table.table[i, :n] for i, n in enumerate(batch.seq_lens)])
     unused = torch.ones(pool.num_slots, dtype=torch.bool)
     unused[used] = False
-    k_pages, v_pages = pool.pages(0)
+    k_pages, v_pages = pool.pages(LAYER)
     at = pool.locate(unused.nonzero().squeeze(1))
     k_pages[at] = 1e4
     v_pages[at] = float("nan")
@@ -136,17 +138,18 @@ def test_kernel_rejects_bad_input_instead_of_reading_out_of_bounds() -> None:
     attn.begin(batch)
     out = torch.empty_like(q)
     lens = attn.seq_lens.clone()
-    slots = attn.slot_table.clone()
-    slots[1, 2] = pool.num_slots  # one past the end of the pool
-    k_pages, v_pages = pool.pages(0)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        attn.op(q, k_pages, v_pages, slots, lens, 0.125, out)
+    k_pages, v_pages = pool.pages(LAYER)
+    for bad in (pool.num_slots, -1):  # one past the end of the pool, one before it
+        rows = attn.row_table.clone()
+        rows[1, 2] = pool.row_offsets(torch.tensor(bad))
+        with pytest.raises(RuntimeError, match="row out of range"):
+            attn.op(q, k_pages, v_pages, rows, lens, 0.125, out)
     with pytest.raises(RuntimeError, match="bad seq_len"):
-        attn.op(q, k_pages, v_pages, attn.slot_table, lens * 100, 0.125, out)
+        attn.op(q, k_pages, v_pages, attn.row_table, lens * 100, 0.125, out)
     with pytest.raises(RuntimeError, match="float32"):
-        attn.op(q.double(), k_pages, v_pages, attn.slot_table, lens, 0.125, out)
+        attn.op(q.double(), k_pages, v_pages, attn.row_table, lens, 0.125, out)
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        attn.op(q, k_pages.transpose(1, 2), v_pages.transpose(1, 2), attn.slot_table, lens, 0.125, out)
+        attn.op(q, k_pages.transpose(1, 2), v_pages.transpose(1, 2), attn.row_table, lens, 0.125, out)
 
 
 def test_auto_picks_the_native_kernel_on_cpu_float32() -> None:

@@ -1,8 +1,8 @@
 // Decode attention read in place from the paged KV pool (CPU, fp32).
 //
-// One query token per request attends to its first seq_lens[b] positions, whose K/V live at the
-// slots slot_table[b, 0:seq_lens[b]] of the pool. Nothing is gathered or padded: each
-// (request, kv head) item walks its own slots, so the work is the K/V bytes it really reads.
+// One query token per request attends to its first seq_lens[b] positions, whose K/V rows start
+// rows[b, 0:seq_lens[b]] floats past k (and v). Nothing is gathered or padded: each
+// (request, kv head) item walks its own rows, so the work is the K/V bytes it really reads.
 // GQA: the G = H / KVH query heads of a kv head share one pass over its keys and values.
 // Vectors are GCC vector extensions (AVX-512 with -march=native where the CPU has it); the
 // softmax's exp is vectorized too (exp_nonpositive). Accuracy against float64 is at least that
@@ -11,8 +11,9 @@
 //   q        [B, H, D]           float32, contiguous
 //   k, v     [P, PS, KVH, D]     float32, one layer of the page-major pool: pages of PS slots,
 //                                a page's rows contiguous, pages `stride(0)` floats apart
-//                                (slot s is row s % PS of page s / PS)
-//   slots    [B, >= max(lens)]   int64, contiguous rows (req_to_token rows)
+//   rows     [B, >= max(lens)]   int64, contiguous rows: each position's row offset in floats
+//                                (KVPool.row_offsets of the req_to_token rows: one table per
+//                                step for every layer, so no division per row here)
 //   seq_lens [B]                 int64
 //   out      [B, H, D]           float32, contiguous, written
 #include <ATen/Parallel.h>
@@ -68,23 +69,16 @@ inline Vec exp_nonpositive(Vec x) {
   return p * scale;
 }
 
-struct Pages {  // where a slot's row of one kv head starts, relative to that head's base
-  int64_t page_size, page_stride, row_stride, num_slots;
-  int64_t at(int64_t s) const {
-    TORCH_CHECK(s >= 0 && s < num_slots, "paged_decode: slot out of range");
-    return (s / page_size) * page_stride + (s % page_size) * row_stride;
-  }
-};
-
 // One (request, kv head): G query heads of C * 16 dims over L positions.
 // score: scratch of G * L floats.
 template <int C>
-void attend(const float* q, const float* k, const float* v, const int64_t* slot, int64_t L,
-            int64_t G, const Pages& pages, float scale, float* score, float* out) {
+void attend(const float* q, const float* k, const float* v, const int64_t* row, int64_t L,
+            int64_t G, int64_t max_row, float scale, float* score, float* out) {
   float max_score[kMaxGroup];
   std::fill(max_score, max_score + G, -INFINITY);
   for (int64_t j = 0; j < L; ++j) {  // scores: q . k_j for every head of the group
-    const float* kj = k + pages.at(slot[j]);
+    TORCH_CHECK(row[j] >= 0 && row[j] <= max_row, "paged_decode: row out of range");
+    const float* kj = k + row[j];
     Vec kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load(kj + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
@@ -119,7 +113,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slot,
   for (int64_t h = 0; h < G; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = Vec{};
   for (int64_t j = 0; j < L; ++j) {  // weighted sum of the values
-    const float* vj = v + pages.at(slot[j]);
+    const float* vj = v + row[j];
     Vec vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load(vj + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
@@ -145,7 +139,7 @@ AttendFn pick(int64_t head_dim) {
 }
 
 void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& slots, const at::Tensor& seq_lens, double scale,
+                  const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
                   at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && out.sizes() == q.sizes(),
               "paged_decode: q/out [B, H, D], k/v [P, PS, KVH, D]");
@@ -156,25 +150,25 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == k.size(3) &&
                   k.stride(1) == k.size(2) * k.size(3),
               "paged_decode: k/v pages must have contiguous rows and the same strides");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  slots.dim() == 2 && slots.stride(1) == 1 && seq_lens.is_contiguous(),
-              "paged_decode: slots [B, L] and seq_lens [B] must be int64 with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  rows.dim() == 2 && rows.stride(1) == 1 && seq_lens.is_contiguous(),
+              "paged_decode: rows [B, L] and seq_lens [B] must be int64 with contiguous rows");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(2);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(3) == D && H % KVH == 0 && H / KVH <= kMaxGroup,
               "paged_decode: head counts/dims do not match");
-  TORCH_CHECK(slots.size(0) == B && seq_lens.size(0) == B, "paged_decode: batch sizes differ");
+  TORCH_CHECK(rows.size(0) == B && seq_lens.size(0) == B, "paged_decode: batch sizes differ");
   const AttendFn fn = pick(D);
   TORCH_CHECK(fn != nullptr, "paged_decode: head_dim ", D, " not compiled (32/64/96/128/256)");
 
-  const int64_t G = H / KVH, row_stride = slots.stride(0);
-  const Pages pages{k.size(1), k.stride(0), KVH * D, k.size(0) * k.size(1)};
+  const int64_t G = H / KVH, table_stride = rows.stride(0);
+  const int64_t max_row = (k.size(0) - 1) * k.stride(0) + (k.size(1) - 1) * k.stride(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= slots.size(1), "paged_decode: bad seq_len ", lens[b]);
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= rows.size(1), "paged_decode: bad seq_len ", lens[b]);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
   float* op = out.mutable_data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -183,7 +177,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t b = item / KVH, g = item % KVH, L = lens[b];
       score.resize(G * L);
       const int64_t head0 = b * H + g * G;
-      fn(qp + head0 * D, kp + g * D, vp + g * D, sp + b * row_stride, L, G, pages, sc,
+      fn(qp + head0 * D, kp + g * D, vp + g * D, rp + b * table_stride, L, G, max_row, sc,
          score.data(), op + head0 * D);
     }
   });
@@ -192,7 +186,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }  // namespace
 
 TORCH_LIBRARY(baton, m) {
-  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor seq_lens, float scale, "
+  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor seq_lens, float scale, "
         "Tensor(a!) out) -> ()");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
 }
