@@ -21,8 +21,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.router.config import RouterConfig
-from runtime.router.discovery import Discovery, Resolver, build_discovery, run_discovery
+from runtime.router.config import DnsName, Role, RouterConfig
+from runtime.router.discovery import (
+    Discovery,
+    DnsDiscovery,
+    Resolver,
+    StaticDiscovery,
+    getaddrinfo_resolver,
+    run_discovery,
+)
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
 from runtime.router.exchange import CLIENT_GONE, forward
 from runtime.router.health import HealthChecker
@@ -126,6 +133,25 @@ class Router:
                               code="not_ready")
             return JSONResponse({**err.body(), "ready_workers": counts}, err.status)
         return JSONResponse({"status": "ready", "ready_workers": counts})
+
+
+def build_discovery(config: RouterConfig, resolver: Resolver | None = None) -> Discovery:
+    if config.discovery == "kubernetes":
+        from runtime.router.kubernetes import KubeApi, KubernetesDiscovery
+
+        selectors: dict[Role, str] = {"prefill": config.prefill_selector,
+                                      "decode": config.decode_selector}
+        return KubernetesDiscovery(KubeApi(), config.namespace, selectors,
+                                   interval=config.discovery_sync_s)
+    static = StaticDiscovery(config.prefill, config.decode)
+    names: dict[Role, DnsName] = {}
+    if config.prefill_dns is not None:
+        names["prefill"] = config.prefill_dns
+    if config.decode_dns is not None:
+        names["decode"] = config.decode_dns
+    if not names:
+        return static
+    return DnsDiscovery(names, static, config.dns_refresh_s, resolver or getaddrinfo_resolver)
 
 
 def create_app(config: RouterConfig, discovery: Discovery | None = None,

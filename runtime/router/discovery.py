@@ -5,7 +5,8 @@ A `Discovery` answers "which workers does this role have now?"; `run_discovery` 
 again each time (every A/AAAA record is a worker `http://IP:PORT`, so pods behind a headless
 Service join and leave as the records change). `--discovery kubernetes` reads Ready pods by
 label selector through the API (`runtime/router/kubernetes.py`); its watches run in
-`Discovery.watch`, and `discover` answers from what they saw.
+`Discovery.watch`, and `discover` answers from what they saw. The app picks one by its config
+(`app.build_discovery`), so the kubernetes client is imported only where it is used.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
-from runtime.router.config import ROLES, DnsName, Role, RouterConfig, WorkerAddress
+from runtime.router.config import ROLES, DnsName, Role, WorkerAddress
 from runtime.router.workers import Worker, Workers
 
 log = logging.getLogger("baton.router")
@@ -78,25 +79,6 @@ class DnsDiscovery(Discovery):
             return await self.static.discover(role)
         ips = dict.fromkeys(await self.resolver(name.host, name.port))  # ordered, unique
         return [WorkerAddress(address_url(ip, name.port), name.bootstrap_port) for ip in ips]
-
-
-def build_discovery(config: RouterConfig, resolver: Resolver | None = None) -> Discovery:
-    if config.discovery == "kubernetes":
-        from runtime.router.kubernetes import KubeApi, KubernetesDiscovery
-
-        selectors: dict[Role, str] = {"prefill": config.prefill_selector,
-                                      "decode": config.decode_selector}
-        return KubernetesDiscovery(KubeApi(), config.namespace, selectors,
-                                   interval=config.discovery_sync_s)
-    static = StaticDiscovery(config.prefill, config.decode)
-    names: dict[Role, DnsName] = {}
-    if config.prefill_dns is not None:
-        names["prefill"] = config.prefill_dns
-    if config.decode_dns is not None:
-        names["decode"] = config.decode_dns
-    if not names:
-        return static
-    return DnsDiscovery(names, static, config.dns_refresh_s, resolver or getaddrinfo_resolver)
 
 
 async def refresh(discovery: Discovery, workers: Workers) -> tuple[list[Worker], list[Worker]]:
