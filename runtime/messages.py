@@ -8,7 +8,20 @@ and `ReqOutput.concat` coalesces several of them into one (list-valued keys conc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+FinishKind = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: FinishKind
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None  # why, for aborts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "matched": self.matched, "message": self.message}
+
 
 # ---- HTTP process -> scheduler process --------------------------------------------------------
 

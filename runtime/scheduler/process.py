@@ -29,6 +29,7 @@ from runtime.messages import (
     AbortRequest,
     BatchOutput,
     DrainRequest,
+    FinishReason,
     GenerateRequest,
     Message,
     ReqOutput,
@@ -153,7 +154,7 @@ class SchedulerLoop:
             raise
         except Exception as e:
             log.exception("scheduler step failed; aborting %d requests", len(self.active))
-            reason = {"type": "abort", "matched": None, "message": f"internal error: {e}"}
+            reason = FinishReason("abort", message=f"internal error: {e}").to_dict()
             outs = [ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in self.active]
             self._send_outputs(outs)
             raise

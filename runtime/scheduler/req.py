@@ -6,21 +6,10 @@ import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from runtime.messages import FinishKind, FinishReason
 from runtime.sampling_params import SamplingParams
-
-FinishKind = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    kind: FinishKind
-    matched: int | str | None = None  # the stop token id or stop string that ended it
-    message: str | None = None  # why, for aborts
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "matched": self.matched, "message": self.message}
 
 
 @dataclass(eq=False)

@@ -18,12 +18,12 @@ import torch
 from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.config import SchedulerConfig
 from runtime.forward_batch import ForwardBatch, ForwardOutput
-from runtime.messages import ReqOutput
+from runtime.messages import FinishReason, ReqOutput
 from runtime.sampling_params import InvalidRequest
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.prefill import PrefillAdder, decode_reserve_tokens
-from runtime.scheduler.req import FinishReason, Req
+from runtime.scheduler.req import Req
 from runtime.scheduler.runner import Handoff, Launched, Runner
 from runtime.scheduler.streamer import OutputStreamer
 

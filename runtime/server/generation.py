@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import GenerateRequest, ReqOutput
+from runtime.messages import FinishReason, GenerateRequest, ReqOutput
 from runtime.server.detokenizer import IncrementalDetokenizer
 from runtime.server.tokenizer_manager import ReqState, RequestTimeout, TokenizerManager
 
@@ -106,7 +106,7 @@ class Generation:
             return await self.tm.next_output(self.state, ABORT_ACK_TIMEOUT_S)
         except RequestTimeout:
             self.tm.forget(self.rid)
-            reason = {"type": "abort", "matched": None, "message": message}
+            reason = FinishReason("abort", message=message).to_dict()
             return ReqOutput(self.rid, [], self.prompt_tokens, 0, finished_reason=reason)
 
     def abort(self, message: str) -> None:

@@ -23,6 +23,7 @@ from runtime.config import ServerArgs
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    FinishReason,
     GenerateRequest,
     Message,
     ReqOutput,
@@ -113,7 +114,7 @@ class TokenizerManager:
 
     def end_all(self, why: str) -> None:
         """End every request in flight here with the abort finish, without the scheduler."""
-        reason = {"type": "abort", "matched": None, "message": why}
+        reason = FinishReason("abort", message=why).to_dict()
         for state in list(self.states.values()):
             self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
 

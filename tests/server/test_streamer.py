@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from runtime.messages import ReqOutput
+from runtime.messages import FinishReason, ReqOutput
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler.req import FinishReason, Req
+from runtime.scheduler.req import Req
 from runtime.scheduler.streamer import OutputStreamer
 
 
