@@ -36,9 +36,8 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, folder: Path) -> None:
-        config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
+        """`config`: the folder's tokenizer_config.json ({} when it has none)."""
         self.backend = _Backend.from_file(str(folder / "tokenizer.json"))
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k)))}
@@ -108,8 +107,17 @@ def load_tokenizer(path: os.PathLike[str] | str) -> Any:
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     if (folder / "tokenizer.json").exists() and not any(k in config for k in _REWRITES):
-        return Tokenizer(folder)
+        return Tokenizer(folder, config)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def tail_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """The text of a few output ids, special tokens kept: what stop strings are matched on."""
+
+    def decode_tail(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    return decode_tail

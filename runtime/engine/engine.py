@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from runtime.config import EngineConfig, SchedulerConfig
@@ -17,7 +16,7 @@ from runtime.messages import ReqOutput
 from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer import load_tokenizer
+from runtime.tokenizer import load_tokenizer, tail_decoder
 
 
 def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerConfig]:
@@ -31,15 +30,6 @@ def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerCo
     engine = EngineConfig(**{k: v for k, v in kwargs.items() if k in engine_fields})
     sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_fields})
     return engine, sched
-
-
-def tail_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """The text of a few output ids, special tokens kept: what stop strings are matched on."""
-
-    def decode_tail(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=False))
-
-    return decode_tail
 
 
 class Engine:

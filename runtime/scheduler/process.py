@@ -74,11 +74,10 @@ class WakePipe:
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], outbox: Outbox) -> None:
-        from runtime.engine.engine import tail_decoder
         from runtime.engine.model_runner import ModelRunner
         from runtime.scheduler.scheduler import Scheduler
         from runtime.scheduler.streamer import OutputStreamer
-        from runtime.tokenizer import load_tokenizer
+        from runtime.tokenizer import load_tokenizer, tail_decoder
 
         self.recv, self.outbox = recv, outbox
         sched_cfg = args.scheduler

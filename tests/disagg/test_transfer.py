@@ -50,7 +50,8 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
     t.start()
     nbytes = sender.write("decode", a, 77, src_pages, dst_pages)
     t.join(10)
-    assert nbytes == len(src_pages) * 2 * src.num_layers * src.page_size * 2 * 8 * src.buffer.element_size()
+    per_page = 2 * src.num_layers * src.page_size * src.num_kv_heads * src.head_dim  # K and V
+    assert nbytes == len(src_pages) * per_page * src.buffer.element_size()
     assert nbytes == len(src_pages) * layout_of(src).page_bytes == len(src_pages) * src.page_bytes
     for _ in range(1000):
         if receiver.landed(77):

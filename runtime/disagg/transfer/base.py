@@ -40,7 +40,6 @@ class KVTransfer(ABC):
         self.agent_name = agent_name
         self.layout = layout_of(pool)
 
-
     def local_info(self) -> dict[str, Any]:
         """What a peer needs to reach this side's pool (sent at peer registration)."""
         return {}

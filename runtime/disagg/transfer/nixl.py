@@ -9,8 +9,9 @@ Progress: nixl's own progress thread (pthrDelay 0, not settable from Python) kep
 in every process with a connected peer, idle or not; on a 2-core host that made PD decode ~1.8x
 slower per token. So the agent runs without it: the prefill progresses its WRITE by polling its
 state, and the decode progresses only while it expects KV (`expect(room)` until it landed),
-from a small thread that polls notifications every PROGRESS_S. The decode side counts a room landed when that
-notification arrives (the prefill also sends RoomDone on the link after the WRITE completes).
+from a small thread that polls notifications every PROGRESS_S. The decode side counts a room
+landed when that notification arrives (the prefill also sends RoomDone on the link after the
+WRITE completes).
 Host memory (DRAM) on CPU, device memory (VRAM) where the pool is on a GPU.
 """
 

@@ -1,9 +1,9 @@
 """tcp backend: pages streamed over the prefill->decode link itself.
 
 The byte stream after a PagesFrame header is the room's pages in list order, each one block
-of the page-major pool (K and V of every layer). On a CPU pool both sides use scatter/gather socket I/O
-(`sendmsg` from the source pages, `recvmsg_into` the destination pages), so KV goes from one
-pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A pool on a
+of the page-major pool (K and V of every layer). On a CPU pool both sides use scatter/gather
+socket I/O (`sendmsg` from the source pages, `recvmsg_into` the destination pages), so KV goes
+from one pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A pool on a
 GPU goes through host staging. The fallback where nixl is missing.
 """
 
