@@ -69,6 +69,7 @@ class SchedulerReady:
     vocab_size: int
     kv_capacity_tokens: int
     max_running_requests: int
+    kv_transfer: dict[str, Any] | None = None  # prefill/decode: backend and KV layout
 
 
 @dataclass
@@ -90,8 +91,13 @@ class DisaggStats:
 
     def take(self) -> DisaggStats:
         """These numbers, leaving zeroed counters behind (rooms stay a level)."""
-        out = DisaggStats(self.transfers, self.transfer_bytes, self.transfer_seconds,
-                          self.failures, dict(self.rooms))
+        out = DisaggStats(
+            self.transfers,
+            self.transfer_bytes,
+            self.transfer_seconds,
+            self.failures,
+            dict(self.rooms),
+        )
         self.transfers, self.transfer_bytes, self.transfer_seconds, self.failures = 0, 0, [], {}
         return out
 

@@ -18,6 +18,7 @@ import httpx
 from runtime.disagg.rooms import RoomInUse
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import KVLayout, PeerRegistration, RoomRequest
+from runtime.errors import error_message
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ class PrefillClient:
                 self._forget(addr)  # it restarted: introduce ourselves again
                 continue
             if resp.status_code == 409 and _code(resp) == "room_in_use":
-                raise RoomInUse(_message(resp))
-            raise TransferError(f"prefill {_url(addr)} refused room {request.room}: {_message(resp)}")
+                raise RoomInUse(error_message(resp))
+            raise TransferError(
+                f"prefill {_url(addr)} refused room {request.room}: {error_message(resp)}"
+            )
         raise TransferError(f"prefill {_url(addr)} keeps forgetting this decode server")
 
     def cancel_room(self, addr: Address, room: int) -> bool:
@@ -76,19 +79,25 @@ class PrefillClient:
                 return
         route = self._call("GET", addr, "/route", None)
         if route.status_code != 200:
-            raise TransferError(f"prefill {_url(addr)} is not ready: {_message(route)}")
+            raise TransferError(f"prefill {_url(addr)} is not ready: {error_message(route)}")
         info = route.json()
         theirs = KVLayout(**info["layout"])
         problem = theirs.mismatch(self.transfer.layout)
         if problem:
-            raise TransferError(f"prefill {_url(addr)} cannot send KV here: KV layouts differ "
-                                f"(that prefill vs this decode): {problem}")
+            raise TransferError(
+                f"prefill {_url(addr)} cannot send KV here: KV layouts differ "
+                f"(that prefill vs this decode): {problem}"
+            )
         if info.get("backend") != self.transfer.name:
-            raise TransferError(f"prefill {_url(addr)} sends KV with {info.get('backend')!r}, "
-                                f"this decode server expects {self.transfer.name!r} (--kv-transfer)")
+            raise TransferError(
+                f"prefill {_url(addr)} sends KV with {info.get('backend')!r}, "
+                f"this decode server expects {self.transfer.name!r} (--kv-transfer)"
+            )
         resp = self._call("POST", addr, "/peers", asdict(self.me))
         if resp.status_code != 200:
-            raise TransferError(f"prefill {_url(addr)} refused this decode server: {_message(resp)}")
+            raise TransferError(
+                f"prefill {_url(addr)} refused this decode server: {error_message(resp)}"
+            )
         with self._lock:
             self.registered[addr] = str(info.get("instance_id"))
 
@@ -96,7 +105,9 @@ class PrefillClient:
         with self._lock:
             self.registered.pop(addr, None)
 
-    def _call(self, method: str, addr: Address, path: str, body: dict[str, Any] | None) -> httpx.Response:
+    def _call(
+        self, method: str, addr: Address, path: str, body: dict[str, Any] | None
+    ) -> httpx.Response:
         try:
             return self.http.request(method, f"{_url(addr)}{path}", json=body)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -120,10 +131,3 @@ def _code(resp: httpx.Response) -> str | None:
         return str(resp.json()["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}"

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Generic
 
 from runtime.config import DisaggConfig
@@ -74,28 +74,36 @@ class PrefillRole(Generic[R]):
     def route(self) -> dict[str, Any] | None:
         if not self.ready:
             return None
-        return {"instance_id": self.instance_id, "backend": self.transfer.name,
-                "layout": asdict(self.transfer.layout)}
+        return {"instance_id": self.instance_id, **self.transfer.describe()}
 
     def register_peer(self, peer: PeerRegistration) -> dict[str, Any]:
         problem = self.transfer.layout.mismatch(KVLayout(**peer.layout))
         if problem:
             raise PeerRejected(f"KV layouts differ (this prefill vs that decode): {problem}")
         if peer.backend != self.transfer.name:
-            raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
-                               f"the decode server expects {peer.backend!r} (--kv-transfer)")
+            raise PeerRejected(
+                f"this prefill sends KV with {self.transfer.name!r}, "
+                f"the decode server expects {peer.backend!r} (--kv-transfer)"
+            )
         self.transfer.connect(peer.decode_id, peer.backend_info)
         address = (peer.receiver_host, peer.receiver_port)
         with self.lock:
-            stale = [d for d, p in self.peers.items()  # a decode restarted on the same address
-                     if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id]
+            stale = [
+                d
+                for d, p in self.peers.items()  # a decode restarted on the same address
+                if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id
+            ]
             for decode_id in stale:
                 del self.peers[decode_id]
             self.peers[peer.decode_id] = peer
         for decode_id in stale:
             self.transfer.forget(decode_id)
-        log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
-                 peer.receiver_host, peer.receiver_port)
+        log.info(
+            "decode server %s registered (receiver %s:%d)",
+            peer.decode_id,
+            peer.receiver_host,
+            peer.receiver_port,
+        )
         return self.transfer.local_info()
 
     def offer_room(self, request: RoomRequest) -> None:
@@ -122,8 +130,9 @@ class PrefillRole(Generic[R]):
     # ---- the scheduler loop's side -----------------------------------------------------------
     def add(self, req: R) -> None:
         if req.bootstrap_room is None:
-            raise RoomError("a prefill server needs bootstrap_room (send requests through "
-                            "`baton router`)")
+            raise RoomError(
+                "a prefill server needs bootstrap_room (send requests through `baton router`)"
+            )
         self.scheduler.validate(req)
         req.keep_first_token_only()
         with self.lock:
@@ -174,8 +183,11 @@ class PrefillRole(Generic[R]):
             self.scheduler.add_request(r.req)
         elif r.room.waited() > self.config.bootstrap_timeout_s:
             t = self.config.bootstrap_timeout_s
-            why = (f"no decode server asked for room {r.room.room} within {t:.0f} s"
-                   if r.req is not None else f"no request for room {r.room.room} within {t:.0f} s")
+            why = (
+                f"no decode server asked for room {r.room.room} within {t:.0f} s"
+                if r.req is not None
+                else f"no request for room {r.room.room} within {t:.0f} s"
+            )
             self._fail(r, why, touched, "bootstrap_timeout")
 
     def _target_problem(self, req: R, target: RoomRequest) -> str | None:
@@ -194,10 +206,14 @@ class PrefillRole(Generic[R]):
                 return  # the next poll fails it
             r.room.advance(RoomState.TRANSFERRING)
         aux = AuxRecord(
-            room=target.room, rid=req.rid, prompt_len=len(req.origin_input_ids),
+            room=target.room,
+            rid=req.rid,
+            prompt_len=len(req.origin_input_ids),
             token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
-            top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
+            top_logprobs=[list(x) for x in req.output_top_logprobs[0]]
+            if req.output_top_logprobs
+            else None,
             customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
         )
         src = req.kv_pages[: len(target.dst_pages)]
@@ -207,7 +223,9 @@ class PrefillRole(Generic[R]):
     def _finish_transfer(self, r: _Room[R], sending: Future[Sent], touched: list[R]) -> None:
         error = sending.exception()
         if error is not None:
-            self._fail(r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error")
+            self._fail(
+                r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error"
+            )
             return
         sent = sending.result()
         self.stats.transfers += 1

@@ -63,7 +63,9 @@ class KVSender:
         link = self._link(peer)
         try:
             with link.lock:
-                nbytes = self.transfer.write(peer.decode_id, link.sock, aux.room, src_pages, dst_pages)
+                nbytes = self.transfer.write(
+                    peer.decode_id, link.sock, aux.room, src_pages, dst_pages
+                )
                 send_frame(link.sock, RoomDone(aux))
         except (OSError, TransferError):
             self._drop(peer.decode_id, link)

@@ -36,8 +36,11 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
-        self.buffer = torch.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
-                                  dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
+        )
         self.dtype, self.device = dtype, self.buffer.device
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +66,9 @@ class KVPool:
         """Where each slot's row starts in a layer's K (or V) view, in elements from its first
         element (the same for every layer): for kernels that address the pool directly."""
         k_pages = self.buffer[:, 0, 0]
-        return (slots // self.page_size) * k_pages.stride(0) + (slots % self.page_size) * k_pages.stride(1)
+        return (slots // self.page_size) * k_pages.stride(0) + (
+            slots % self.page_size
+        ) * k_pages.stride(1)
 
     def page_rows(self) -> torch.Tensor:
         """The buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""

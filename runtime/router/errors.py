@@ -8,19 +8,28 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-
-def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+from runtime.errors import error_body
 
 
 class RouterError(Exception):
     """An error the router answers itself (bad input, no workers, a worker unreachable)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str = "invalid_request",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = (
-            status, message, type_, code, param)
+            status,
+            message,
+            type_,
+            code,
+            param,
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
@@ -48,14 +57,25 @@ class UpstreamFailure(Exception):
         else:
             reason = "connect" if isinstance(exc, httpx.ConnectError) else "broken"
             status, what = 502, f"failed ({type(exc).__name__}: {exc})"
-        return cls(side, reason, status, error_body(
-            f"{side} worker {url} {what}", "upstream_error", f"{side}_{reason}"))
+        return cls(
+            side,
+            reason,
+            status,
+            error_body(f"{side} worker {url} {what}", "upstream_error", f"{side}_{reason}"),
+        )
 
     @classmethod
     def truncated(cls, side: str, url: str) -> UpstreamFailure:
-        return cls(side, "truncated", 502, error_body(
-            f"{side} worker {url} ended its stream before data: [DONE]", "upstream_error",
-            f"{side}_truncated"))
+        return cls(
+            side,
+            "truncated",
+            502,
+            error_body(
+                f"{side} worker {url} ended its stream before data: [DONE]",
+                "upstream_error",
+                f"{side}_truncated",
+            ),
+        )
 
     @classmethod
     def answered(cls, side: str, status: int, content: bytes) -> UpstreamFailure:
@@ -66,8 +86,9 @@ class UpstreamFailure(Exception):
             body = None
         if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
             text = content[:200].decode("utf-8", errors="replace")
-            body = error_body(f"{side} worker answered {status}: {text}", "upstream_error",
-                              f"{side}_error")
+            body = error_body(
+                f"{side} worker answered {status}: {text}", "upstream_error", f"{side}_error"
+            )
         return cls(side, "status", status, body)
 
     def response(self) -> JSONResponse:

@@ -2,7 +2,9 @@
 
 A worker that answers anything but 200, or refuses the connection, is out at once; one that
 does not answer in time is out after `failures` such polls in a row (a busy worker may be slow
-to answer once). Its next 200 brings it back.
+to answer once). Its next 200 brings it back. A prefill/decode worker's 200 also says its KV
+transfer backend and layout (`kv_transfer`): the router pairs only workers that agree, and says
+so in its own /ready (and log) when none do.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import httpx
 
@@ -20,10 +23,18 @@ log = logging.getLogger("baton.router")
 
 
 class HealthChecker:
-    def __init__(self, client: httpx.AsyncClient, workers: Workers, metrics: RouterMetrics,
-                 interval: float, timeout: float, failures: int = 1):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workers: Workers,
+        metrics: RouterMetrics,
+        interval: float,
+        timeout: float,
+        failures: int = 1,
+    ):
         self.client, self.workers, self.metrics = client, workers, metrics
         self.interval, self.timeout, self.failures = interval, timeout, failures
+        self.unready: str | None = "starting"  # the reason last logged
 
     async def check(self, workers: Iterable[Worker]) -> None:
         """Poll each of `workers` once, concurrently, and publish the ready counts."""
@@ -39,12 +50,21 @@ class HealthChecker:
     def publish(self) -> None:
         for pool in (self.workers.prefill, self.workers.decode):
             self.metrics.set_workers(pool.role, len(pool), len(pool.ready()))
+        reason = self.workers.unready_reason()
+        if reason != self.unready:
+            if reason is None:
+                log.info("router ready: requests can be served")
+            else:
+                log.warning("router not ready: %s", reason)
+            self.unready = reason
 
     async def _check_one(self, worker: Worker) -> None:
         try:
             response = await self.client.get(f"{worker.url}/ready", timeout=self.timeout)
             ready, why = response.status_code == 200, f"status {response.status_code}"
             worker.unanswered = 0
+            if ready:
+                worker.kv_transfer = _kv_transfer(response)
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -54,6 +74,21 @@ class HealthChecker:
                 log.info("%s worker %s: no answer to GET /ready (%s)", worker.role, worker.url, why)
                 return
         if ready != worker.ready:
-            log.info("%s worker %s is %s (%s)", worker.role, worker.url,
-                     "ready" if ready else "not ready", "GET /ready 200" if ready else why)
+            log.info(
+                "%s worker %s is %s (%s)",
+                worker.role,
+                worker.url,
+                "ready" if ready else "not ready",
+                "GET /ready 200" if ready else why,
+            )
         worker.ready = ready
+
+
+def _kv_transfer(response: httpx.Response) -> dict[str, Any] | None:
+    """A prefill/decode worker's backend and KV layout from its /ready body (None if absent)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    kv = body.get("kv_transfer") if isinstance(body, dict) else None
+    return kv if isinstance(kv, dict) else None

@@ -1,7 +1,8 @@
 """Choosing the (prefill, decode) pair for a request: round_robin | least_load | prefix.
 
-A policy sees only ready workers (never an empty list) and the request's prompt text (None
-when it has none the router can read); it must not block.
+A policy sees only ready workers that have a partner (`Workers.pairable`, never an empty list)
+and the request's prompt text (None when it has none the router can read); the decode is picked
+among those whose KV layout and backend match the chosen prefill's. It must not block.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ IMBALANCE_SLACK = 16
 
 
 class Policy(ABC):
-    def pick(self, prefill: Sequence[Worker], decode: Sequence[Worker],
-             prompt: str | None) -> tuple[Worker, Worker]:
-        p, d = self.pick_prefill(prefill, prompt), self.pick_decode(decode)
+    def pick(
+        self, prefill: Sequence[Worker], decode: Sequence[Worker], prompt: str | None
+    ) -> tuple[Worker, Worker]:
+        p = self.pick_prefill(prefill, prompt)
+        d = self.pick_decode([w for w in decode if w.kv_transfer == p.kv_transfer])
         p.picks += 1
         d.picks += 1
         return p, d

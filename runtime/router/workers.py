@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from runtime.router.config import ROLES, Role, WorkerAddress
@@ -20,6 +21,7 @@ class Worker:
     url: str
     bootstrap_port: int | None = None
     ready: bool = False  # until its first GET /ready answers 200
+    kv_transfer: dict[str, Any] | None = None  # backend + KV layout, from its /ready
     unanswered: int = 0  # health polls in a row that got no answer
     in_flight: int = 0  # requests this router has sent it and not seen finish
     picks: int = 0  # times a policy chose it
@@ -76,6 +78,45 @@ class Workers:
     def all(self) -> list[Worker]:
         return [w for role in ROLES for w in self.pool(role)]
 
-    def missing_roles(self) -> list[Role]:
-        """Roles without a ready worker (the router is ready when this is empty)."""
-        return [role for role in ROLES if not self.pool(role).ready()]
+    def pairable(self) -> tuple[list[Worker], list[Worker]]:
+        """The ready workers that have a ready partner of the other role able to take or send
+        their KV (same transfer backend and KV layout); the router is ready when both are
+        non-empty, and a policy picks a decode among those matching its prefill."""
+        prefill, decode = self.prefill.ready(), self.decode.ready()
+        prefill = [p for p in prefill if any(d.kv_transfer == p.kv_transfer for d in decode)]
+        decode = [d for d in decode if any(p.kv_transfer == d.kv_transfer for p in prefill)]
+        return prefill, decode
+
+    def unready_reason(self) -> str | None:
+        """Why no request can be served now (None: it can)."""
+        missing = [role for role in ROLES if not self.pool(role).ready()]
+        if missing:
+            return (
+                f"no ready {' and no ready '.join(missing)} worker (known: "
+                f"{len(self.prefill)} prefill, {len(self.decode)} decode)"
+            )
+        if all(self.pairable()):
+            return None
+        p, d = self.prefill.ready()[0], self.decode.ready()[0]
+        return (
+            f"no ready prefill worker can send KV to a ready decode worker: prefill {p.url} "
+            f"vs decode {d.url}: {kv_difference(p.kv_transfer, d.kv_transfer)}"
+        )
+
+
+def kv_difference(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    """What differs between two workers' `kv_transfer` (backend, then the layout's fields)."""
+    if a is None or b is None:
+        return "one of them is not a prefill/decode server (its /ready shows no kv_transfer)"
+    diffs = (
+        [f"backend {a.get('backend')} vs {b.get('backend')}"]
+        if a.get("backend") != b.get("backend")
+        else []
+    )
+    la, lb = a.get("layout") or {}, b.get("layout") or {}
+    diffs += [
+        f"{k} {la.get(k)} vs {lb.get(k)}"
+        for k in dict.fromkeys([*la, *lb])
+        if la.get(k) != lb.get(k)
+    ]
+    return "KV " + "; ".join(diffs)

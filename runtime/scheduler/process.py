@@ -109,8 +109,9 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
         while self.scheduler.has_work():
             self.scheduler.step()
-        self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
-                               self.wakeup.wake)
+        self.role = build_role(
+            self.args, self.scheduler, self.runner.pool, self.runner.vocab_size, self.wakeup.wake
+        )
         self.streamer.sender = self._send_outputs
         kv = self.runner.kv
         self._send(
@@ -119,6 +120,7 @@ class SchedulerLoop:
                 vocab_size=self.runner.vocab_size,
                 kv_capacity_tokens=kv.allocator.num_pages * kv.page_size,
                 max_running_requests=self.scheduler.config.max_running_requests,
+                kv_transfer=self.role.transfer.describe() if self.role.transfer else None,
             )
         )
         self._send_stats()

@@ -14,7 +14,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from runtime.config import ServerArgs
 from runtime.kvcache.pool import KVPool
@@ -22,10 +22,17 @@ from runtime.messages import DisaggStats
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from runtime.disagg.transfer.base import KVTransfer
+
 log = logging.getLogger("baton.scheduler")
 
 
 class Role(Protocol):
+    @property
+    def transfer(self) -> KVTransfer | None:
+        """How KV moves to or from peers (prefill and decode roles)."""
+
     @property
     def stats(self) -> DisaggStats | None:
         """KV transfer counters (prefill and decode roles)."""
@@ -49,6 +56,7 @@ class ColocatedRole:
     """Prefill and decode in one server: requests go straight to the scheduler."""
 
     stats: DisaggStats | None = None
+    transfer: KVTransfer | None = None
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -99,7 +107,8 @@ def build_role(
         from runtime.disagg.sender import KVSender
 
         prefill: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake)
+            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake
+        )
         scheduler.handoff = prefill
         prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill)
         prefill.ready = True
@@ -110,11 +119,29 @@ def build_role(
     from runtime.disagg.wire import PeerRegistration
 
     receiver = KVReceiver(args.host, transfer, wake)
-    me = PeerRegistration(name, advertise_host(args), receiver.port, asdict(transfer.layout),
-                          transfer.name, transfer.local_info())
-    log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
-             transfer.name)
+    me = PeerRegistration(
+        name,
+        advertise_host(args),
+        receiver.port,
+        asdict(transfer.layout),
+        transfer.name,
+        transfer.local_info(),
+    )
+    log.info(
+        "decode %s: KV receiver on %s:%d (%s)",
+        name,
+        me.receiver_host,
+        me.receiver_port,
+        transfer.name,
+    )
     decode: DecodeRole[Req] = DecodeRole(
-        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer), receiver, args.disagg,
-        wake, vocab_size)
+        scheduler,
+        scheduler.kv,
+        transfer,
+        PrefillClient(me, transfer),
+        receiver,
+        args.disagg,
+        wake,
+        vocab_size,
+    )
     return decode

@@ -65,8 +65,13 @@ def _watch_step(app: FastAPI, proc: ProcessHandle, waited: float) -> str | None:
             app.state.next_note += PROGRESS_EVERY_S
     elif tm.ready.is_set() and not app.state.announced:
         app.state.announced = True
-        log.info("ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
-                 waited, args.model_name, args.host, args.port)
+        log.info(
+            "ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
+            waited,
+            args.model_name,
+            args.host,
+            args.port,
+        )
     return None
 
 
@@ -98,7 +103,9 @@ def create_app(
 
 
 async def _client_gone(_: Request, __: Exception) -> Response:
-    return JSONResponse(error_body("client closed the connection", "client_error", "client_gone"), 499)
+    return JSONResponse(
+        error_body("client closed the connection", "client_error", "client_gone"), 499
+    )
 
 
 async def _stop_scheduler(tm: TokenizerManager, proc: ProcessHandle) -> None:
@@ -124,10 +131,12 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> dict[str, str]:
-        if not tm.ready.is_set() or tm.unavailable is not None:
+    async def ready() -> dict[str, Any]:
+        if not tm.ready.is_set() or tm.unavailable is not None or tm.info is None:
             raise ApiError(503, tm.unavailable or "not ready", "service_unavailable", "not_ready")
-        return {"status": "ready"}
+        if tm.info.kv_transfer is None:
+            return {"status": "ready"}
+        return {"status": "ready", "kv_transfer": tm.info.kv_transfer}  # the router pairs by it
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -136,4 +145,3 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:
         return {**dataclasses.asdict(tm.stats), "inflight": len(tm.states)}
-

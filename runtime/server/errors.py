@@ -5,32 +5,34 @@ Bad input is a 4xx that names the problem; the server keeps serving.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from runtime.errors import error_body
 from runtime.server.generation import KVTransferFailed
 from runtime.server.tokenizer_manager import SchedulerUnavailable
-from runtime.validation import InvalidRequest, describe_errors, safe_text
+from runtime.validation import InvalidRequest, describe_errors
 
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error",
-        code: str = "invalid_request", param: str | None = None,
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str = "invalid_request",
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = (
-            status, message, type_, code, param,
+            status,
+            message,
+            type_,
+            code,
+            param,
         )
-
-
-def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
-    # a message may quote the client's text: never let a lone surrogate break the response
-    return {"error": {"message": safe_text(message), "type": type_, "code": code, "param": param}}
 
 
 def error_response(err: ApiError) -> JSONResponse:

@@ -49,6 +49,14 @@ def gen_body(pair: Pair, room: int | None = None, max_new: int = 8, **kw: Any) -
             "max_new_tokens": max_new, "ignore_eos": True}, **pair.fields(room), **kw}
 
 
+def _text(url: str) -> str:
+    """GET url's body ("" while nothing listens there yet)."""
+    try:
+        return httpx.get(url).text
+    except httpx.ConnectError:
+        return ""
+
+
 def kv_free(url: str) -> bool:
     return bool(httpx.get(f"{url}/debug/stats").json()["kv_all_free"])
 
@@ -181,8 +189,19 @@ def test_client_abort_on_decode_cancels_the_room_everywhere(shared: Pair) -> Non
 
 
 def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) -> None:
+    """A router in front never pairs the two, and says why in its /ready and log from the
+    start; a request sent to the pair directly fails at first contact, freeing both sides."""
     pair = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path), decode_extra=("--page-size", "8"))
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log", ready=False)
     try:
+        why = f"prefill {pair.prefill.url} vs decode {pair.decode.url}: KV page_size 16 vs 8"
+        eventually(lambda: why in _text(f"{router.url}/ready"))
+        assert httpx.get(f"{router.url}/ready").status_code == 503
+        answer = httpx.post(f"{router.url}/generate", json={"text": "hi"})
+        assert answer.status_code == 503 and why in answer.json()["error"]["message"]
+        assert why in router.log()
+
         prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
         assert decoded.status_code == 502
         message = decoded.json()["error"]["message"]
@@ -190,6 +209,7 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
         assert prefill.status_code == 502  # its room never got a decode server
         eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
     finally:
+        assert router.stop() == 0
         pair.stop()
 
 

@@ -42,6 +42,7 @@ class FakeWorker:
         self.role, self.bootstrap_port = role, bootstrap_port
         self.ready = True
         self.ready_delay_s = 0.0  # GET /ready answers this late
+        self.kv_transfer: dict[str, Any] | None = None  # what its /ready shows, if anything
         self.received: list[Received] = []
         self.aborts: list[str] = []
         self.sent_at: list[float] = []  # time.monotonic() of every streamed event
@@ -87,7 +88,10 @@ class FakeWorker:
         @app.get("/ready")
         async def ready() -> Response:
             await asyncio.sleep(self.ready_delay_s)
-            return JSONResponse({"ready": self.ready}, 200 if self.ready else 503)
+            body: dict[str, Any] = {"ready": self.ready}
+            if self.kv_transfer is not None:
+                body["kv_transfer"] = self.kv_transfer
+            return JSONResponse(body, 200 if self.ready else 503)
 
         @app.get("/health")
         async def health() -> dict[str, str]:

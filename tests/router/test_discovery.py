@@ -74,7 +74,7 @@ def test_dns_workers_join_and_leave_as_records_change(workers: Any) -> None:
         zone.names[PREFILL] = []  # no records: no prefill workers
         wait_for(lambda: router.client.get("/ready").status_code == 503, what="/ready 503")
         error = router.client.get("/ready").json()["error"]["message"]
-        assert "prefill" in error and "decode" not in error
+        assert "no ready prefill" in error and "no ready decode" not in error
     finally:
         router.stop()
 

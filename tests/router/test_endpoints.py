@@ -34,7 +34,7 @@ def test_ready_flips_with_worker_readiness(workers: Any, router: Any) -> None:
     wait_for(lambda: r.client.get("/ready").status_code == 503, what="/ready 503")
     error = r.client.get("/ready").json()["error"]
     assert error["code"] == "not_ready" and "decode" in error["message"]
-    assert "prefill" not in error["message"]
+    assert "no ready prefill" not in error["message"]
     assert r.client.get("/health").status_code == 200  # alive, just not ready
     answer = r.client.post("/generate", json={"text": "x"})
     assert answer.status_code == 503 and "no ready decode worker" in answer.json()["error"]["message"]

@@ -137,3 +137,38 @@ def test_prefix_affinity_yields_to_an_overloaded_worker() -> None:
     home.in_flight = IMBALANCE_SLACK
     assert policy.pick(ps, d, SYSTEM + "third")[0] is not home  # too busy: least_load
     assert policy.pick(ps, d, None)[0] in ps  # no readable prompt: least_load
+
+
+def kv(backend: str = "nixl", page_size: int = 16) -> dict[str, Any]:
+    """A worker's `kv_transfer` as its /ready shows it."""
+    layout = {"num_layers": 2, "page_size": page_size, "num_kv_heads": 3, "head_dim": 64,
+              "dtype": "float32"}
+    return {"backend": backend, "layout": layout}
+
+
+def test_workers_that_cannot_exchange_kv_are_never_paired(workers: Any, router: Any) -> None:
+    """Each prefill is paired only with decodes of the same KV layout and backend; when no
+    pair is left, /ready and every request say what differs between whom."""
+    ps = [workers("prefill") for _ in range(3)]
+    ds = [workers("decode") for _ in range(2)]
+    for w, spec in zip([*ps, *ds], [kv(), kv(page_size=8), kv("tcp"), kv(page_size=8), kv()],
+                       strict=True):
+        w.kv_transfer = spec
+    r = router(ps, ds)
+    assert r.client.get("/ready").json()["ready_workers"] == {"prefill": 3, "decode": 2}
+    for i in range(8):
+        assert send(r, f"r{i}").status_code == 200
+    pairs = {(served_by(ps, f"r{i}"), served_by(ds, f"r{i}")) for i in range(8)}
+    assert pairs == {(0, 1), (1, 0)}  # the tcp prefill has no partner: it gets nothing
+
+    ps[0].ready = ps[1].ready = False  # only the tcp prefill is left
+    wait_for(lambda: r.client.get("/ready").status_code == 503, what="/ready 503")
+    message = r.client.get("/ready").json()["error"]["message"]
+    assert f"prefill {ps[2].url} vs decode {ds[0].url}: KV backend tcp vs nixl" in message, message
+    answer = send(r, "late")
+    assert answer.status_code == 503 and "can send KV" in answer.json()["error"]["message"]
+    assert not any(w.got("late") for w in [*ps, *ds])
+
+    ps[2].kv_transfer = kv("tcp", page_size=8)
+    ds[0].kv_transfer = kv(page_size=4)
+    wait_for(lambda: "page_size 8 vs 4" in r.client.get("/ready").text, what="layout message")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import socket
 from abc import ABC, abstractmethod
+from dataclasses import asdict
 from typing import Any
 
 from runtime.disagg.wire import KVLayout, PagesFrame
@@ -40,6 +41,11 @@ class KVTransfer(ABC):
         self.agent_name = agent_name
         self.layout = layout_of(pool)
 
+    def describe(self) -> dict[str, Any]:
+        """What must match between a prefill and a decode server for this backend to move pages
+        between them (the router pairs only servers that agree; `/ready` shows it)."""
+        return {"backend": self.name, "layout": asdict(self.layout)}
+
     def local_info(self) -> dict[str, Any]:
         """What a peer needs to reach this side's pool (sent at peer registration)."""
         return {}
@@ -53,7 +59,12 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def write(
-        self, peer_id: str, link: socket.socket, room: int, src_pages: list[int], dst_pages: list[int]
+        self,
+        peer_id: str,
+        link: socket.socket,
+        room: int,
+        src_pages: list[int],
+        dst_pages: list[int],
     ) -> int:
         """Copy src_pages of every buffer into the peer's dst_pages; block until they landed.
         `link` is the ordered prefill->decode link (used by backends that stream over it).
@@ -85,7 +96,8 @@ def create_transfer(name: str, pool: KVPool, agent_name: str) -> KVTransfer:
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise TransferError(f"KV transfer {name!r} is not available here ({e}); "
-                            "use --kv-transfer tcp") from e
+        raise TransferError(
+            f"KV transfer {name!r} is not available here ({e}); use --kv-transfer tcp"
+        ) from e
     backend: KVTransfer = getattr(mod, cls)(pool, agent_name)
     return backend

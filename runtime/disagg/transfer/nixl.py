@@ -65,8 +65,9 @@ class NixlTransfer(KVTransfer):
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
         self.mem, self.dev = _mem_type(pool)
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False,
-                                                              backends=["UCX"]))
+        self.agent = nixl_agent(
+            agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self._lock = threading.Lock()  # one caller into the agent at a time
         self.page_bytes = self.layout.page_bytes
         self.agent.register_memory([pool.buffer])
@@ -76,8 +77,9 @@ class NixlTransfer(KVTransfer):
         self._expected: set[int] = set()
         self._wake = threading.Event()
         self._closed = False
-        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
-                                          daemon=True)
+        self._progress = threading.Thread(
+            target=self._progress_loop, name="nixl-progress", daemon=True
+        )
         self._progress.start()
 
     def _descs(self, addr: int, dev: int, starts: np.ndarray, pages: np.ndarray) -> np.ndarray:
@@ -90,14 +92,20 @@ class NixlTransfer(KVTransfer):
 
     def local_info(self) -> dict[str, Any]:
         metadata = self.agent.get_agent_metadata()
-        return {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(),
-                "addr": self.addr, "num_pages": self.pool.num_pages, "mem": self.mem,
-                "dev": self.dev}
+        return {
+            "agent": self.agent_name,
+            "metadata": base64.b64encode(metadata).decode(),
+            "addr": self.addr,
+            "num_pages": self.pool.num_pages,
+            "mem": self.mem,
+            "dev": self.dev,
+        }
 
     def connect(self, peer_id: str, info: dict[str, Any]) -> None:
         try:
-            peer = _Peer("", int(info["addr"]), int(info["num_pages"]), str(info["mem"]),
-                         int(info["dev"]))
+            peer = _Peer(
+                "", int(info["addr"]), int(info["num_pages"]), str(info["mem"]), int(info["dev"])
+            )
             with self._lock:
                 peer.agent = self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
                 self.agent.make_connection(peer.agent)  # UCX wire-up now, not in the first WRITE
@@ -112,7 +120,12 @@ class NixlTransfer(KVTransfer):
                 self.agent.remove_remote_agent(peer.agent)
 
     def write(
-        self, peer_id: str, link: socket.socket, room: int, src_pages: list[int], dst_pages: list[int]
+        self,
+        peer_id: str,
+        link: socket.socket,
+        room: int,
+        src_pages: list[int],
+        dst_pages: list[int],
     ) -> int:
         if peer_id not in self.peers:
             raise TransferError(f"nixl: peer {peer_id} is not connected")
@@ -125,9 +138,15 @@ class NixlTransfer(KVTransfer):
                 self.agent.send_notif(peer.agent, str(room).encode())
             return 0
         with self._lock:
-            local = self.agent.get_xfer_descs(self._descs(self.addr, self.dev, src_at, pages), self.mem)
-            remote = self.agent.get_xfer_descs(self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem)
-            handle = self.agent.initialize_xfer("WRITE", local, remote, peer.agent, str(room).encode())
+            local = self.agent.get_xfer_descs(
+                self._descs(self.addr, self.dev, src_at, pages), self.mem
+            )
+            remote = self.agent.get_xfer_descs(
+                self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem
+            )
+            handle = self.agent.initialize_xfer(
+                "WRITE", local, remote, peer.agent, str(room).encode()
+            )
             state = self.agent.transfer(handle)
         try:
             self._wait(handle, state, room)
