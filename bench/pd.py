@@ -114,34 +114,49 @@ def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str,
         proc.join(5)
 
 
-def cma_child(nbytes: int, reps: int, conn: Connection) -> None:
-    """Owns the destination buffer; the parent writes into it with process_vm_writev."""
-    import numpy as np
+def pool_bytes() -> int:
+    return POOL_TOKENS * LAYOUT["num_layers"] * 2 * LAYOUT["num_kv_heads"] * LAYOUT["head_dim"] * 4
 
-    dst = np.ones(nbytes, dtype=np.uint8)
-    conn.send((os.getpid(), dst.ctypes.data))
+
+def spots(rng: random.Random, nbytes: int, reps: int) -> list[tuple[int, int]]:
+    """(source, destination) byte offsets of `nbytes` in two pool-sized buffers, fresh for each
+    rep as a transfer's pages are (so no peer copies cache-resident bytes: L3 holds 11.8 MB)."""
+    top = pool_bytes() - nbytes
+    return [(rng.randrange(top + 1) & ~4095, rng.randrange(top + 1) & ~4095) for _ in range(reps)]
+
+
+def cma_child(conn: Connection) -> None:
+    """Owns the destination buffer; the parent writes into it with process_vm_writev."""
+    import torch
+
+    from runtime.kvcache.pool import huge_page_zeros
+
+    dst = huge_page_zeros((pool_bytes(),), torch.uint8)
+    conn.send((os.getpid(), dst.data_ptr()))
     conn.recv()
 
 
 def cma_bench(nbytes: int, reps: int) -> float:
     """The cma transport's own ceiling: one process_vm_writev of `nbytes` into another process
-    (what UCX uses for host memory on one machine), single thread."""
+    (what UCX uses for host memory on one machine), single thread, pool-like buffers."""
     import ctypes
 
-    import numpy as np
+    import torch
+
+    from runtime.kvcache.pool import huge_page_zeros
 
     class Iovec(ctypes.Structure):
         _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
     libc = ctypes.CDLL(None, use_errno=True)
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=cma_child, args=(nbytes, reps, child))
+    proc = mp.get_context("spawn").Process(target=cma_child, args=(child,))
     proc.start()
     pid, addr = parent.recv()
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    local, remote = Iovec(src.ctypes.data, nbytes), Iovec(addr, nbytes)
+    src = huge_page_zeros((pool_bytes(),), torch.uint8).random_()
     times = []
-    for _ in range(reps):
+    for src_at, dst_at in spots(random.Random(1), nbytes, reps):
+        local, remote = Iovec(src.data_ptr() + src_at, nbytes), Iovec(addr + dst_at, nbytes)
         began = time.perf_counter()
         done = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         times.append(time.perf_counter() - began)
@@ -152,16 +167,19 @@ def cma_bench(nbytes: int, reps: int) -> float:
 
 
 def memcpy_bench(nbytes: int, reps: int) -> float:
-    """Single-thread memcpy GB/s of `nbytes` (fresh destination pages each time)."""
+    """Single-thread memcpy GB/s of `nbytes` between two pool-sized buffers allocated as the KV
+    pool is (transparent huge pages), at fresh offsets each rep."""
     import torch
 
+    from runtime.kvcache.pool import huge_page_zeros
+
     torch.set_num_threads(1)
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src = huge_page_zeros((pool_bytes(),), torch.uint8).random_()
+    dst = huge_page_zeros((pool_bytes(),), torch.uint8)
     times = []
-    for _ in range(reps):
+    for src_at, dst_at in spots(random.Random(2), nbytes, reps):
         began = time.perf_counter()
-        dst.copy_(src)
+        dst[dst_at : dst_at + nbytes].copy_(src[src_at : src_at + nbytes])
         times.append(time.perf_counter() - began)
     return nbytes / statistics.median(times) / 1e9
 

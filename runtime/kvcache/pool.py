@@ -8,10 +8,15 @@ One layer's K (or V) is a strided view [num_pages, page_size, num_kv_heads, head
 position s % page_size of page s // page_size, and a request's position i always lives in slot
 `pages[i // page_size] * page_size + i % page_size` (KVCacheManager.grow).
 Nothing may reallocate or resize the buffer while serving: transfer backends register it once
-and address it by page index.
+and address it by page index. In host memory the buffer sits on transparent huge pages
+(`huge_page_zeros`): UCX's cma path copies a page run twice as fast into and out of it
+(bench/pd.py: 3.8 -> 7.5 GB/s for a 256-token prompt), since the kernel pins 2 MiB pages, not 4 KiB.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -36,11 +41,11 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
-        self.buffer = torch.zeros(
-            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            self.buffer = huge_page_zeros(shape, dtype)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.buffer.device
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,3 +87,21 @@ class KVPool:
     @property
     def bytes_per_slot(self) -> int:
         return self.page_bytes // self.page_size
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on 2 MiB-aligned memory advised for transparent huge pages (torch's
+    own allocator gives 4 KiB pages unless THP_MEM_ALLOC_ENABLE is set before it first runs).
+    Every page is touched here, as torch.zeros would: the memory is committed at start-up."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(area, dtype=torch.uint8)  # holds `area` for the tensor's lifetime
+    skip = -raw.data_ptr() % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= HUGE_PAGE:
+        area.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % HUGE_PAGE)
+    buffer = raw[skip : skip + nbytes].view(dtype).view(shape)
+    buffer.zero_()
+    return buffer
