@@ -5,8 +5,9 @@
 1. Transfer: two processes on loopback, each with a KV pool of the builtin model's layout
    (30 layers, 3 KV heads x 64, float32, pages of 16 tokens). The sender writes one prompt's
    pages (K and V of every layer, scattered pages) into the receiver's pool through baton's own
-   KVTransfer backends (nixl, tcp) and the RoomDone frame, and times until the receiver process
-   reports the room landed. Peer in the same run: a single-thread memcpy of the same bytes.
+   KVTransfer backends (nixl, tcp), with the aux record behind them, and times until the
+   receiver process reports the room arrived. Peers in the same run: a single-thread memcpy
+   and one process_vm_writev of the same bytes between pool-sized buffers.
 2. Serving: `baton serve` (colocated) and `baton up` (router + 1 prefill + 1 decode) on the
    builtin model, the same streaming workload at each concurrency (bench/serving.py): TTFT
    p50/p99, ITL, throughput, side by side with ratios; PD's mean KV transfer time is read from
@@ -49,23 +50,29 @@ def make_pool() -> Any:
 
 
 def receiver_main(backend: str, conn: Connection) -> None:
-    """The decode side: pool, transfer, receiver; reports each landed room over `conn`."""
+    """The decode side: pool, transfer, receiver; reports each room over `conn` once its KV
+    and aux record arrived."""
+    import threading
+
     from runtime.disagg.receiver import KVReceiver
     from runtime.disagg.transfer.base import create_transfer
-    from runtime.disagg.wire import RoomDone
 
     pool = make_pool()
     transfer = create_transfer(backend, pool, "bench-decode")
+    arrival = threading.Event()
+    transfer.on_arrival = arrival.set
     receiver = KVReceiver("127.0.0.1", transfer, lambda: None)
     conn.send((transfer.local_info(), receiver.port))
-    transfer.expect(1)  # the sender numbers its rooms 1, 2, ...
+    room = 1  # the sender numbers its rooms 1, 2, ...
+    transfer.expect(room)
     while True:
-        frame = receiver.frames.get()
-        if isinstance(frame, RoomDone):
-            while not transfer.landed(frame.aux.room):
-                time.sleep(0.0001)
-            transfer.expect(frame.aux.room + 1)
-            conn.send(frame.aux.room)
+        arrival.wait()
+        arrival.clear()
+        if transfer.arrived(room) is not None:
+            transfer.discard(room)
+            transfer.expect(room + 1)
+            conn.send(room)
+            room += 1
 
 
 def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> tuple[list[int], list[int]]:
@@ -78,7 +85,7 @@ def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> t
 
 def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str, Any]]:
     from runtime.disagg.transfer.base import create_transfer
-    from runtime.disagg.wire import AuxRecord, RoomDone, send_frame
+    from runtime.disagg.wire import AuxRecord
 
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, child), daemon=True)
@@ -99,8 +106,7 @@ def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str,
                     room += 1
                     src, dst = page_lists(rng, pool.num_pages, pages, layout)
                     began = time.perf_counter()
-                    nbytes = transfer.write("decode", link, room, src, dst)
-                    send_frame(link, RoomDone(AuxRecord(room, "bench", n, 0)))
+                    nbytes = transfer.write("decode", link, src, dst, AuxRecord(room, "b", n, 0))
                     assert parent.recv() == room
                     times.append(time.perf_counter() - began)
                 t = statistics.median(times)

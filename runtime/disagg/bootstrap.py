@@ -9,7 +9,7 @@ POST /rooms                  a decode server's pages for one room (RoomRequest);
                              (re-register), 409 room_in_use
 DELETE /rooms/<room>         cancel: 200 {"cancelled": true} promises no write will happen;
                              202 {"cancelled": false} means a transfer is under way, and its
-                             RoomDone/RoomFailed frame will follow on the link
+                             aux record (behind the pages) or RoomFailed frame will follow
 A small stdlib ThreadingHTTPServer on its own threads; what it learns goes to a `Rooms` owner
 (the prefill role) which is thread-safe.
 """

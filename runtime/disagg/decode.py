@@ -5,9 +5,10 @@ Bootstrapping      prealloc: wait (never fail) until the pool has room for the p
                    fence (an overlapped forward may still write a page just freed), then send
                    the page indices to the prefill (POST /rooms, on a worker thread)
 WaitingForInput    the prefill may write into those pages now
-Transferring       its RoomDone (aux record: first token, logprob, customized_info) arrived;
-                   the room waits for the backend's own "landed" signal
-Success            the request goes through `process_prebuilt` into the running decode batch
+Transferring       (passed through) the backend says every page is in place and hands over the
+                   aux record that came behind them: first token, logprob, customized_info
+Success            the aux record checks out: the request goes through `process_prebuilt` into
+                   the running decode batch
 Failed             the request ends with a clear error; its pages are freed as soon as the
                    prefill can no longer write them: it never knew them, it said so (cancel
                    answered, a terminal frame came), it is gone (heartbeats), or the waiting
@@ -32,7 +33,7 @@ from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.transfer.base import KVTransfer
-from runtime.disagg.wire import AuxRecord, RoomDone, RoomFailed, RoomRequest
+from runtime.disagg.wire import AuxRecord, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
 from runtime.messages import DisaggStats
 
@@ -47,8 +48,7 @@ class _Room(Generic[R]):
     fence: int | None = None  # pages taken at this KV fence
     registering: Future[None] | None = None
     registered: bool = False  # the prefill may write into our pages
-    aux: AuxRecord | None = None
-    prefill_done: bool = False  # a RoomDone/RoomFailed came: the prefill writes no more
+    prefill_done: bool = False  # its KV arrived or a RoomFailed came: the prefill writes no more
     cancel: Future[bool] | None = None
     give_up_at: float = 0.0  # failed: free the pages at this time whatever the prefill says
 
@@ -71,6 +71,7 @@ class DecodeRole(Generic[R]):
         self.prealloc: deque[int] = deque()
         self.workers = ThreadPoolExecutor(4, thread_name_prefix="decode-peers")
         self.heartbeats = Heartbeats(self.client.alive, self.workers, self.config, self.wake)
+        self.transfer.on_arrival = self.wake
         self._aborted: list[R] = []
 
     def add(self, req: R) -> None:
@@ -90,7 +91,7 @@ class DecodeRole(Generic[R]):
     def poll(self) -> list[R]:
         """Advance every room; returns the requests to emit (first tokens, failures)."""
         touched, self._aborted = self._aborted, []
-        self._take_frames(touched)
+        self._take_failures(touched)
         self._preallocate()
         for addr in self.heartbeats.check(self._watched()):
             self._prefill_gone(addr, touched)
@@ -99,24 +100,17 @@ class DecodeRole(Generic[R]):
         self.stats.rooms = count_states(r.room for r in self.rooms.values())
         return touched
 
-    def _take_frames(self, touched: list[R]) -> None:
+    def _take_failures(self, touched: list[R]) -> None:
         while True:
             try:
-                frame = self.receiver.frames.get_nowait()
+                frame = self.receiver.failed.get_nowait()
             except queue.Empty:
                 return
-            room = frame.aux.room if isinstance(frame, RoomDone) else getattr(frame, "room", None)
-            r = self.rooms.get(room) if isinstance(room, int) else None
+            r = self.rooms.get(frame.room)
             if r is None:
                 continue  # a room we already ended (e.g. cancelled, then the prefill's answer)
-            if isinstance(frame, RoomDone):
-                r.prefill_done, r.aux = True, frame.aux
-                r.room.advance(RoomState.TRANSFERRING)
-            elif isinstance(frame, RoomFailed):
-                r.prefill_done = True
-                self._fail(
-                    r, f"the prefill server failed: {frame.reason}", touched, "prefill_failed"
-                )
+            r.prefill_done = True
+            self._fail(r, f"the prefill server failed: {frame.reason}", touched, "prefill_failed")
 
     def _preallocate(self) -> None:
         while self.prealloc:
@@ -136,13 +130,17 @@ class DecodeRole(Generic[R]):
             self.prealloc.popleft()
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
-        state = r.room.state
-        if state is RoomState.FAILED:
+        if r.room.state is RoomState.FAILED:
             self._settle(r)
-        elif state is RoomState.BOOTSTRAPPING:
+            return
+        if r.room.state is RoomState.BOOTSTRAPPING:
             self._register(r, touched)
-        elif r.aux is not None and self.transfer.landed(r.room.room):
-            self._prebuilt(r, r.aux, touched)
+            if r.room.state is not RoomState.WAITING_FOR_INPUT:
+                return  # (the KV may have arrived before the prefill's answer to POST /rooms)
+        if (aux := self.transfer.arrived(r.room.room)) is not None:
+            r.prefill_done = True
+            r.room.advance(RoomState.TRANSFERRING)
+            self._prebuilt(r, aux, touched)
         elif r.room.waited() > self.config.waiting_timeout_s:  # waiting for input, or to land
             t = self.config.waiting_timeout_s
             self._fail(
@@ -220,7 +218,7 @@ class DecodeRole(Generic[R]):
 
     def _settle(self, r: _Room[R]) -> None:
         """A failed room: free its pages once nobody can write them any more."""
-        if r.registered and not r.prefill_done:
+        if r.registered and not r.prefill_done and self.transfer.arrived(r.room.room) is None:
             if r.cancel is None:
                 r.cancel = self.workers.submit(self.client.cancel_room, r.addr, r.room.room)
                 r.cancel.add_done_callback(lambda _: self.wake())
@@ -262,11 +260,6 @@ class DecodeRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
-
-    def landing(self) -> bool:
-        """Some room's RoomDone came before the backend's own signal (nixl's notification is
-        handled by its progress thread): it lands within moments."""
-        return any(r.room.state is RoomState.TRANSFERRING for r in self.rooms.values())
 
     def close(self) -> None:
         self.receiver.close()

@@ -9,7 +9,8 @@ server's threads) meet in a room, in either order:
   Transferring       the sender writes the pages into the decode pool, then the aux record
   Success / Failed   its pages are freed, the request finishes (length / abort)
 The decode server may cancel a room (DELETE /rooms): until the transfer starts that is a promise
-never to write, after it the transfer's own RoomDone/RoomFailed answers it.
+never to write, after it the transfer's own answer (the aux record behind the pages, or a
+RoomFailed frame) follows.
 """
 
 from __future__ import annotations
@@ -283,9 +284,6 @@ class PrefillRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
-
-    def landing(self) -> bool:
-        return False
 
     def close(self) -> None:
         if self.bootstrap is not None:

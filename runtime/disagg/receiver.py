@@ -1,9 +1,9 @@
 """The decode server's KV receiver: a TCP listener that prefill servers open one link to.
 
 Per link, one thread reads frames in order: a PagesFrame's payload goes straight into the pool
-(tcp backend), and every frame then goes into `frames` for the decode role's loop (`wake` tells
-it). A link that sends garbage is closed; its rooms then fail by the decode's timeouts or
-heartbeats, never by guesswork here.
+and a RoomDone's aux record to the backend's arrivals (tcp backend); a RoomFailed goes into
+`failed` for the decode role's loop (`wake` tells it). A link that sends garbage is closed; its
+rooms then fail by the decode's timeouts or heartbeats, never by guesswork here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import Frame, LinkClosed, PagesFrame, recv_frame
+from runtime.disagg.wire import LinkClosed, PagesFrame, RoomDone, RoomFailed, recv_frame
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class KVReceiver:
     def __init__(self, host: str, transfer: KVTransfer, wake: Callable[[], None]) -> None:
         self.transfer = transfer
         self.wake = wake
-        self.frames: queue.SimpleQueue[Frame] = queue.SimpleQueue()
+        self.failed: queue.SimpleQueue[RoomFailed] = queue.SimpleQueue()
         self.listener = socket.create_server((host, 0), backlog=64)
         self.port: int = self.listener.getsockname()[1]
         self.links: set[socket.socket] = set()
@@ -52,8 +52,11 @@ class KVReceiver:
                 frame = recv_frame(sock)
                 if isinstance(frame, PagesFrame):
                     self.transfer.read_pages(frame, sock)
-                self.frames.put(frame)
-                self.wake()
+                elif isinstance(frame, RoomDone):
+                    self.transfer.read_done(frame.aux)  # wakes the loop (`on_arrival`)
+                else:
+                    self.failed.put(frame)
+                    self.wake()
         except (LinkClosed, OSError) as e:
             if not self.closed:
                 log.info("KV link from %s closed: %s", peer, e)

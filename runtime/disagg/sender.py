@@ -1,8 +1,8 @@
 """The prefill server's KV sender: links to decode receivers and transfers on worker threads.
 
 One TCP link per decode server, opened on first use and reused; a transfer holds its link for
-the pages (tcp backend) and the RoomDone that follows, so a room's frames are never interleaved
-with another's. A link that fails is dropped and the next transfer reconnects (a decode that
+the pages and the RoomDone that follows them (tcp backend), so a room's frames are never
+interleaved with another's; RoomFailed frames travel on it for every backend. A link that fails is dropped and the next transfer reconnects (a decode that
 restarted on the same address is found again).
 """
 
@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomDone, RoomFailed, send_frame
+from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomFailed, send_frame
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class KVSender:
     def send(
         self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord
     ) -> Future[Sent]:
-        """Write the room's pages into the decode's, then its RoomDone; the future fails with
-        TransferError or OSError when the decode cannot be reached or the write fails."""
+        """Write the room's pages into the decode's, with its aux record behind them; the future
+        fails with TransferError or OSError when the decode cannot be reached or the write
+        fails."""
         return self.pool.submit(self._send, peer, src_pages, dst_pages, aux)
 
     def fail(self, peer: PeerRegistration, room: int, reason: str) -> None:
@@ -63,10 +64,7 @@ class KVSender:
         link = self._link(peer)
         try:
             with link.lock:
-                nbytes = self.transfer.write(
-                    peer.decode_id, link.sock, aux.room, src_pages, dst_pages
-                )
-                send_frame(link.sock, RoomDone(aux))
+                nbytes = self.transfer.write(peer.decode_id, link.sock, src_pages, dst_pages, aux)
         except (OSError, TransferError):
             self._drop(peer.decode_id, link)
             raise

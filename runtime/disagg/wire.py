@@ -5,7 +5,8 @@ built from `KVLayout`, `PeerRegistration` and `RoomRequest`. Prefill -> decode g
 link per (prefill, decode) pair to the decode's receiver (receiver.py) as frames: a 4-byte
 big-endian length, a msgpack header (one of the dataclasses below), then `PagesFrame.nbytes` of
 raw KV when the header is a PagesFrame (tcp backend). Frames of one link arrive in order, so a
-room's pages always land before its RoomDone.
+room's pages always land before its RoomDone. The nixl backend sends no PagesFrame or RoomDone:
+its WRITE's notification is the AuxRecord, encoded by the same codec.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class PagesFrame:
 
 @dataclass
 class RoomDone:
+    """tcp backend: the room's pages (just before, on this link) are complete; its aux record."""
+
     aux: AuxRecord
 
 

@@ -45,7 +45,6 @@ log = logging.getLogger("baton.scheduler")
 
 IDLE_POLL_MS = 200
 ROLE_POLL_MS = 50  # rooms in flight: check their timeouts at least this often
-LANDING_POLL_MS = 1  # a room's KV is landing: its request is about to emit its first token
 SHUTDOWN_MAX_STEPS = 10_000
 SHUTDOWN_ROLE_S = 10.0  # at shutdown, how long failed rooms may wait for their peer's word
 
@@ -139,8 +138,6 @@ class SchedulerLoop:
     def _wait_ms(self) -> int:
         if self.scheduler.has_work() or self.need_step:
             return 0
-        if self.role.landing():
-            return LANDING_POLL_MS
         return ROLE_POLL_MS if self.role.has_work() else IDLE_POLL_MS
 
     def _poll_role(self) -> None:

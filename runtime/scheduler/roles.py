@@ -3,7 +3,7 @@
 Every role composes the same Scheduler and ModelRunner; what differs is where requests wait
 before and after it, which lives in small classes (runtime/disagg/prefill.py, decode.py). The
 scheduler process talks to any of them through `Role`: add, abort, poll (advance the queues,
-return the requests whose outputs are due), has_work, landing, close.
+return the requests whose outputs are due), has_work, close.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ class Role(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def landing(self) -> bool:
-        """A room's KV is arriving: poll again within a millisecond, not at the next tick."""
-
     def close(self) -> None: ...
 
 
@@ -71,9 +68,6 @@ class ColocatedRole:
         return []
 
     def has_work(self) -> bool:
-        return False
-
-    def landing(self) -> bool:
         return False
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """A scheduler-process plugin for tests: the loop's idle and role poll ticks become 30 s, so any
-PD handoff that waits for a tick instead of waking the loop stalls visibly. (Loaded by
-`--plugin`; the landing poll, which is the backend's own signal, keeps its 1 ms.)"""
+PD handoff that waits for a tick instead of waking the loop stalls visibly (loaded by
+`--plugin`)."""
 
 from runtime.scheduler import process
 

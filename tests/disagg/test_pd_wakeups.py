@@ -1,6 +1,6 @@
 """Every step of the PD handoff wakes the scheduler loop that must act on it: the first token
-that starts the prefill's transfer, the decode's page registration, the RoomDone frame, the
-landed KV. With the loop's poll ticks at 30 s (tests/disagg/no_poll_tick.py), requests through
+that starts the prefill's transfer, the decode's page registration, the KV's arrival (with
+its aux record, behind the pages). With the loop's poll ticks at 30 s (tests/disagg/no_poll_tick.py), requests through
 a real pair still end within seconds; a handoff that waited for a tick would take 30 s."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer, layout_of
-from runtime.disagg.wire import PagesFrame, recv_frame
+from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, recv_frame
 from runtime.kvcache.pool import KVPool
 
 
@@ -34,8 +34,16 @@ def transfer(name: str, p: KVPool) -> KVTransfer:
     return create_transfer(name, p, f"test-{uuid.uuid4().hex[:8]}")
 
 
+def aux_for(room: int) -> AuxRecord:
+    """An aux record with everything a real one may carry (a notification must hold it all)."""
+    info = {"note": "ünïcode ✓ and \x00 bytes", "blob": "x" * 3000, "ids": list(range(50))}
+    return AuxRecord(room, f"rid-{room}", 12, 4242, -0.25, [[4242, -0.25], [7, -1.5]], info)
+
+
 def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
     sender, receiver = transfer(name, src), transfer(name, dst)
+    arrivals = threading.Semaphore(0)
+    receiver.on_arrival = arrivals.release
     sender.connect("decode", receiver.local_info())
     a, b = socket.socketpair()
 
@@ -44,21 +52,32 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
             frame = recv_frame(b)
             assert isinstance(frame, PagesFrame)
             receiver.read_pages(frame, b)
+            done = recv_frame(b)
+            assert isinstance(done, RoomDone)
+            receiver.read_done(done.aux)
 
     receiver.expect(77)
     t = threading.Thread(target=receive)
     t.start()
-    nbytes = sender.write("decode", a, 77, src_pages, dst_pages)
+    nbytes = sender.write("decode", a, src_pages, dst_pages, aux_for(77))
     t.join(10)
     per_page = 2 * src.num_layers * src.page_size * src.num_kv_heads * src.head_dim  # K and V
     assert nbytes == len(src_pages) * per_page * src.buffer.element_size()
     assert nbytes == len(src_pages) * layout_of(src).page_bytes == len(src_pages) * src.page_bytes
-    for _ in range(1000):
-        if receiver.landed(77):
-            break
-        threading.Event().wait(0.005)
-    assert receiver.landed(77)
-    assert not receiver.landed(78)
+    assert arrivals.acquire(timeout=10), "on_arrival was not called"
+    assert receiver.arrived(77) == aux_for(77)
+    assert receiver.arrived(78) is None
+    receiver.discard(77)
+    assert receiver.arrived(77) is None
+    # a room nobody expects (it ended before its KV came) is not kept: it would leak
+    receiver.expect(79)
+    for room in (78, 79):
+        if name == "nixl":
+            sender.write("decode", a, [], [], aux_for(room))
+        else:
+            receiver.read_done(aux_for(room))
+    assert arrivals.acquire(timeout=10)
+    assert receiver.arrived(79) == aux_for(79) and receiver.arrived(78) is None
     a.close(), b.close()
     sender.close(), receiver.close()
 

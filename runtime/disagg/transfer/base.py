@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib
 import socket
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from runtime.disagg.wire import KVLayout, PagesFrame
+from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame
 from runtime.kvcache.pool import KVPool
 
 _BACKENDS = {
@@ -34,12 +36,20 @@ def layout_of(pool: KVPool) -> KVLayout:
 
 
 class KVTransfer(ABC):
+    """Prefill side: `connect` a peer, `write` a room. Decode side: `expect` a room, then
+    `arrived(room)` gives its aux record once every page is in place (`on_arrival` is called
+    then, from whichever thread saw it), `discard` when the room ended."""
+
     name = ""
 
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         self.pool = pool
         self.agent_name = agent_name
         self.layout = layout_of(pool)
+        self.on_arrival: Callable[[], None] = lambda: None
+        self._expected: set[int] = set()
+        self._arrived: dict[int, AuxRecord] = {}
+        self._rooms_lock = threading.Lock()
 
     def describe(self) -> dict[str, Any]:
         """What must match between a prefill and a decode server for this backend to move pages
@@ -62,12 +72,13 @@ class KVTransfer(ABC):
         self,
         peer_id: str,
         link: socket.socket,
-        room: int,
         src_pages: list[int],
         dst_pages: list[int],
+        aux: AuxRecord,
     ) -> int:
-        """Copy src_pages of every buffer into the peer's dst_pages; block until they landed.
-        `link` is the ordered prefill->decode link (used by backends that stream over it).
+        """Copy src_pages into the peer's dst_pages and deliver `aux` behind them (the peer's
+        `arrived(aux.room)` gives it once every page landed); block until written. `link` is
+        the ordered prefill->decode link (used by backends that stream over it).
         Returns the bytes moved; raises TransferError or OSError."""
 
     # ---- decode side ----------------------------------------------------------------------
@@ -75,15 +86,35 @@ class KVTransfer(ABC):
         """A PagesFrame arrived on a link: put its payload into the pool (tcp backend only)."""
         raise TransferError(f"{self.name} backend got a PagesFrame; peers disagree on the backend")
 
-    def expect(self, room: int) -> None:  # noqa: B027 - optional hook
-        """`room`'s pages may be written from now on (until it landed or is discarded)."""
+    def read_done(self, aux: AuxRecord) -> None:
+        """A RoomDone arrived on a link, behind its pages (tcp backend only)."""
+        raise TransferError(f"{self.name} backend got a RoomDone; peers disagree on the backend")
 
-    @abstractmethod
-    def landed(self, room: int) -> bool:
-        """True once every page of `room` is in place by this backend's own signal."""
+    def expect(self, room: int) -> None:
+        """`room`'s pages may be written from now on (until it arrived or is discarded)."""
+        with self._rooms_lock:
+            self._expected.add(room)
 
-    def discard(self, room: int) -> None:  # noqa: B027 - optional hook
-        """Forget what is known about `room` (it ended)."""
+    def _arrive(self, aux: AuxRecord) -> None:
+        """Every page of `aux.room` is in place: keep its aux record if the room is expected
+        (one that ended already is not waited for: keeping it would leak)."""
+        with self._rooms_lock:
+            if aux.room not in self._expected:
+                return
+            self._expected.discard(aux.room)
+            self._arrived[aux.room] = aux
+        self.on_arrival()
+
+    def arrived(self, room: int) -> AuxRecord | None:
+        """The room's aux record once every page of it is in place, else None."""
+        with self._rooms_lock:
+            return self._arrived.get(room)
+
+    def discard(self, room: int) -> None:
+        """Forget `room` (it ended)."""
+        with self._rooms_lock:
+            self._expected.discard(room)
+            self._arrived.pop(room, None)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

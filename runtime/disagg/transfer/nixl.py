@@ -3,21 +3,23 @@
 Both sides register their pool's buffer once. A transfer is one WRITE whose descriptors are the
 room's runs of pages that are adjacent on both sides (the pool is page-major, so a run of n
 pages is one block of n pages' bytes, every layer's K and V: UCX pays per descriptor, ~10 us
-each with cma on loopback), with the room id as its notification.
+each with cma on loopback). Its notification is the room's aux record (msgpack), which nixl
+delivers only after the WRITE's data: the decode side has the first token the moment the KV is
+in place, with nothing on the TCP link (that carries only RoomFailed).
 
 Progress: nixl's own progress thread (pthrDelay 0, not settable from Python) kept a core busy
 in every process with a connected peer, idle or not; on a 2-core host that made PD decode ~1.8x
 slower per token. So the agent runs without it: the prefill progresses its WRITE by polling its
-state, and the decode progresses only while it expects KV (`expect(room)` until it landed),
-from a small thread that polls notifications every PROGRESS_S. The decode side counts a room
-landed when that notification arrives (the prefill also sends RoomDone on the link after the
-WRITE completes).
+state, and the decode progresses only while it expects KV (`expect(room)` until it arrived),
+from a small thread that polls notifications every PROGRESS_S and wakes the scheduler loop
+(`on_arrival`) when a room's arrive.
 Host memory (DRAM) on CPU, device memory (VRAM) where the pool is on a GPU.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import socket
 import threading
 import time
@@ -28,7 +30,10 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError
+from runtime.disagg.wire import FRAMES, AuxRecord
 from runtime.kvcache.pool import KVPool
+
+log = logging.getLogger(__name__)
 
 WRITE_TIMEOUT_S = 60.0
 PROGRESS_S = 0.0005  # decode side: poll for notifications this often while a room is expected
@@ -73,8 +78,6 @@ class NixlTransfer(KVTransfer):
         self.agent.register_memory([pool.buffer])
         self.addr = pool.buffer.data_ptr()
         self.peers: dict[str, _Peer] = {}
-        self._landed: set[int] = set()
-        self._expected: set[int] = set()
         self._wake = threading.Event()
         self._closed = False
         self._progress = threading.Thread(
@@ -123,19 +126,19 @@ class NixlTransfer(KVTransfer):
         self,
         peer_id: str,
         link: socket.socket,
-        room: int,
         src_pages: list[int],
         dst_pages: list[int],
+        aux: AuxRecord,
     ) -> int:
         if peer_id not in self.peers:
             raise TransferError(f"nixl: peer {peer_id} is not connected")
-        peer = self.peers[peer_id]
+        peer, room, notif = self.peers[peer_id], aux.room, FRAMES.encode(aux)
         if dst_pages and not 0 <= min(dst_pages) <= max(dst_pages) < peer.num_pages:
             raise TransferError(f"room {room}: page index out of range for peer {peer_id}")
         src_at, dst_at, pages = paired_runs(src_pages, dst_pages)
         if not len(pages):
             with self._lock:
-                self.agent.send_notif(peer.agent, str(room).encode())
+                self.agent.send_notif(peer.agent, notif)
             return 0
         with self._lock:
             local = self.agent.get_xfer_descs(
@@ -144,9 +147,7 @@ class NixlTransfer(KVTransfer):
             remote = self.agent.get_xfer_descs(
                 self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem
             )
-            handle = self.agent.initialize_xfer(
-                "WRITE", local, remote, peer.agent, str(room).encode()
-            )
+            handle = self.agent.initialize_xfer("WRITE", local, remote, peer.agent, notif)
             state = self.agent.transfer(handle)
         try:
             self._wait(handle, state, room)
@@ -167,8 +168,7 @@ class NixlTransfer(KVTransfer):
                 state = self.agent.check_xfer_state(handle)
 
     def expect(self, room: int) -> None:
-        with self._lock:
-            self._expected.add(room)
+        super().expect(room)
         self._wake.set()
 
     def _progress_loop(self) -> None:
@@ -181,23 +181,19 @@ class NixlTransfer(KVTransfer):
             time.sleep(PROGRESS_S)
 
     def _poll(self) -> None:
-        """Progress the agent and take the notifications (rooms whose WRITE completed)."""
+        """Progress the agent and take the notifications: aux records of rooms whose WRITE
+        completed."""
         with self._lock:
-            for messages in self.agent.get_new_notifs().values():
-                for msg in messages:
-                    if msg.isdigit():
-                        self._landed.add(int(msg))
-                        self._expected.discard(int(msg))
-
-    def landed(self, room: int) -> bool:
-        self._poll()
-        with self._lock:
-            return room in self._landed
-
-    def discard(self, room: int) -> None:
-        with self._lock:
-            self._landed.discard(room)
-            self._expected.discard(room)
+            notifs = self.agent.get_new_notifs()
+        for agent, messages in notifs.items():
+            for msg in messages:
+                try:
+                    aux = FRAMES.decode(msg)
+                except ValueError as e:
+                    log.error("nixl: a notification from %s is no aux record: %s", agent, e)
+                    continue
+                if isinstance(aux, AuxRecord):
+                    self._arrive(aux)
 
     def close(self) -> None:
         self._closed = True

@@ -3,19 +3,19 @@
 The byte stream after a PagesFrame header is the room's pages in list order, each one block
 of the page-major pool (K and V of every layer). On a CPU pool both sides use scatter/gather
 socket I/O (`sendmsg` from the source pages, `recvmsg_into` the destination pages), so KV goes
-from one pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A pool on a
-GPU goes through host staging. The fallback where nixl is missing.
+from one pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A
+pool on a GPU goes through host staging. The room's RoomDone (its aux record) follows its pages
+on the link, so it arrives when they are in place. The fallback where nixl is missing.
 """
 
 from __future__ import annotations
 
 import socket
-import threading
 
 import torch
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import LinkClosed, PagesFrame, send_frame
+from runtime.disagg.wire import AuxRecord, LinkClosed, PagesFrame, RoomDone, send_frame
 from runtime.kvcache.pool import KVPool
 
 IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (the kernel allows 1024)
@@ -70,25 +70,24 @@ class TcpTransfer(KVTransfer):
         super().__init__(pool, agent_name)
         self.rows = pool.page_rows()  # [num_pages, page_bytes] uint8
         self.on_cpu = pool.device.type == "cpu"
-        self._landed: set[int] = set()
-        self._lock = threading.Lock()
 
     def write(
         self,
         peer_id: str,
         link: socket.socket,
-        room: int,
         src_pages: list[int],
         dst_pages: list[int],
+        aux: AuxRecord,
     ) -> int:
         nbytes = len(src_pages) * self.layout.page_bytes
-        send_frame(link, PagesFrame(room, dst_pages, nbytes))
+        send_frame(link, PagesFrame(aux.room, dst_pages, nbytes))
         if self.on_cpu:
             send_views(link, page_views(self.rows, src_pages))
         else:
             src = torch.tensor(src_pages, dtype=torch.int64, device=self.rows.device)
             block = self.rows.index_select(0, src).cpu()
             send_views(link, [memoryview(block.numpy()).cast("B")])  # type: ignore[arg-type]
+        send_frame(link, RoomDone(aux))  # behind the pages on the same ordered link
         return nbytes
 
     def read_pages(self, frame: PagesFrame, link: socket.socket) -> None:
@@ -107,13 +106,6 @@ class TcpTransfer(KVTransfer):
             dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.rows.device)
             recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
             self.rows.index_copy_(0, dst, staging.to(self.rows.device))
-        with self._lock:
-            self._landed.add(frame.room)
 
-    def landed(self, room: int) -> bool:
-        with self._lock:
-            return room in self._landed
-
-    def discard(self, room: int) -> None:
-        with self._lock:
-            self._landed.discard(room)
+    def read_done(self, aux: AuxRecord) -> None:
+        self._arrive(aux)  # its pages came first on this link, and are in place
