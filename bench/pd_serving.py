@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,16 +69,21 @@ def interleaved(urls: list[str], args: argparse.Namespace) -> list[list[LevelRes
 
 def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     proc, url = start_server(args.model, [])
-    with tempfile.TemporaryDirectory(prefix="bench-pd-") as tmp:
-        up, router, prefill = start_up(args, Path(tmp))
-        try:
-            colocated, pd = interleaved([url, router], args)
-            mean_transfer, rooms = transfer_seconds(prefill)
-        finally:
-            for p in (proc, up):
-                p.send_signal(signal.SIGTERM)
-            proc.wait(60)
-            up.wait(120)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-pd-"))
+    up, router, prefill = start_up(args, log_dir)
+    try:
+        colocated, pd = interleaved([url, router], args)
+        mean_transfer, rooms = transfer_seconds(prefill)
+    except BaseException:
+        print(f"PD serving failed; baton up's logs are kept in {log_dir}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    finally:
+        for p in (proc, up):
+            p.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        up.wait(120)
     rows = [{"concurrency": c.concurrency, "colocated": asdict(c), "pd": asdict(p),
              "ttft_p50_ratio": p.ttft_p50_ms / c.ttft_p50_ms,
              "throughput_ratio": p.throughput_tok_s / c.throughput_tok_s}

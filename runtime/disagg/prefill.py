@@ -1,11 +1,14 @@
 """Prefill role: the bootstrap queue and the in-flight transfer queue around the scheduler.
 
 A request (from the router) and its decode server's pages (POST /rooms, from the bootstrap
-server's threads) meet in a room, in either order:
-  Bootstrapping      one of the two is here; after --bootstrap-timeout-s alone, it fails
-  WaitingForInput    both are: the request is in the scheduler; once its last prompt chunk is
-                     launched the scheduler hands it here (`take`); its first output token shows
-                     the forward that wrote its KV has finished
+server's threads) meet in a room, in either order. The request goes to the scheduler as soon as
+it arrives: its prefill does not wait for the pages, only its transfer does (so the decode's
+registration is off the critical path, and a burst is prefilled together).
+  Bootstrapping      one of the two is here; after --bootstrap-timeout-s alone, it fails (a
+                     prefilled request's pages are freed then)
+  WaitingForInput    both are; once its last prompt chunk is launched the scheduler hands the
+                     request here (`take`); its first output token shows the forward that
+                     wrote its KV has finished
   Transferring       the sender writes the pages into the decode pool, then the aux record
   Success / Failed   its pages are freed, the request finishes (length / abort)
 The decode server may cancel a room (DELETE /rooms): until the transfer starts that is a promise
@@ -44,6 +47,7 @@ class _Room(Generic[R]):
     target: RoomRequest | None = None
     peer: PeerRegistration | None = None
     cancelled: bool = False  # the decode server cancelled: never write
+    submitted: bool = False  # the request went to the scheduler (prefill runs meanwhile)
     handed_off: bool = False  # the scheduler is done with it; we own it and its KV
     sending: Future[Sent] | None = None
 
@@ -164,24 +168,27 @@ class PrefillRole(Generic[R]):
         return touched
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
-        state = r.room.state
         if r.cancelled and r.sending is None:
             self._fail(r, "cancelled by the decode server", touched, "cancelled")
-        elif state is RoomState.BOOTSTRAPPING:
-            self._bootstrap(r, touched)
-        elif state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids:
+            return
+        if r.room.state is RoomState.BOOTSTRAPPING:
+            self._bootstrap(r, touched)  # may find the pages of a request prefilled already
+        state = r.room.state
+        if state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids:
             self._start_transfer(r, touched)
         elif state is RoomState.TRANSFERRING and r.sending is not None and r.sending.done():
             self._finish_transfer(r, r.sending, touched)
 
     def _bootstrap(self, r: _Room[R], touched: list[R]) -> None:
+        if r.req is not None and not r.submitted:
+            r.submitted = True  # prefill now: the decode's pages are needed only to write
+            self.scheduler.add_request(r.req)
         if r.req is not None and r.target is not None:
             problem = self._target_problem(r.req, r.target)
             if problem:
                 self._fail(r, problem, touched, "refused")
                 return
             r.room.advance(RoomState.WAITING_FOR_INPUT)
-            self.scheduler.add_request(r.req)
         elif r.room.waited() > self.config.bootstrap_timeout_s:
             t = self.config.bootstrap_timeout_s
             why = (
@@ -242,12 +249,11 @@ class PrefillRole(Generic[R]):
 
     def _fail(self, r: _Room[R], reason: str, touched: list[R], kind: str) -> None:
         """End the room: free what it holds, finish its request, tell its decode server."""
-        state = r.room.state
         r.room.fail(reason)
         self.stats.failed(kind)
         req = r.req
         if req is not None and not req.finished:
-            if state is RoomState.WAITING_FOR_INPUT and not r.handed_off:
+            if r.submitted and not r.handed_off:
                 self.scheduler.abort(req.rid, reason)  # frees its KV; the scheduler emits it
             else:
                 req.finish("abort", reason)
