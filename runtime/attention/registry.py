@@ -1,8 +1,9 @@
 """Attention backends by name; each implementation is imported only when it is asked for.
 
 Registered: "torch" (plain torch, any device), "cpu" (torch plus a native decode kernel, float32
-on CPU), "flashinfer"/"triton" (CUDA, not implemented yet). "auto" (the default) picks "cpu" for
-a CPU pool when it can be used there, else "torch". A factory is "module:callable" taking
+on CPU), "triton" (paged Triton kernels, CUDA; on CPU only under TRITON_INTERPRET=1, for tests),
+"flashinfer" (CUDA, not implemented yet). "auto" (the default) picks "cpu" for a CPU pool and
+"triton" for a CUDA pool when each can be used there, else "torch". A factory is "module:callable" taking
 (pool, req_to_token, scale), so CUDA-only modules are never imported on the CPU path.
 """
 
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, str] = {
     "torch": "runtime.attention.torch_backend:TorchAttention",
     "cpu": "runtime.attention.cpu_backend:CpuAttention.create",
+    "triton": "runtime.attention.triton_backend:TritonAttention.create",
 }
-_NOT_YET = ("flashinfer", "triton")
+_NOT_YET = ("flashinfer",)
+_AUTO = {"cpu": "cpu", "cuda": "triton"}  # device type -> what "auto" tries before "torch"
 
 
 def register_attention_backend(name: str, factory_path: str) -> None:
@@ -33,9 +36,10 @@ def create_attention_backend(
     name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
 ) -> AttentionBackend:
     if name == "auto":
-        if pool.device.type == "cpu":
+        preferred = _AUTO.get(pool.device.type)
+        if preferred is not None:
             try:
-                return _create("cpu", pool, req_to_token, scale)
+                return _create(preferred, pool, req_to_token, scale)
             except BackendUnavailable as e:
                 log.info("attention: %s; using 'torch'", e)
         return _create("torch", pool, req_to_token, scale)

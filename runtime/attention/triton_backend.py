@@ -1,0 +1,332 @@
+"""Triton attention: paged decode and extend kernels that read K/V in place from the KV pool.
+
+Both kernels find a position's KV slot through the req->token table (row `req_pool_indices[b]`),
+then its page and offset in the page-major pool, and load K/V rows straight from the pool's
+strided layer views: no gather into padded blocks, no [B, max_len] table built per step (so the
+decode launch has fixed shapes for CUDA graphs). GQA: a decode program owns one request and one
+KV head and computes all query heads of its group at once; an extend program owns one request,
+one query head and BLOCK_M of the request's new tokens, causal over prefix + new tokens (the new
+tokens' K/V are written to the pool first, so every key is read from the pool).
+Softmax runs online in float32; with a float32 pool the dot products use IEEE float32 (no TF32),
+so greedy output can be held token-exact against HF in float32.
+
+CUDA only in production; under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly),
+which is how the CPU machines test them (tests/attention/test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from runtime.attention.base import AttentionBackend, BackendUnavailable
+from runtime.forward_batch import ForwardBatch
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the backend reports itself unavailable; nothing else imports this module
+    triton = None
+
+BLOCK_N = 64  # keys per loop step
+BLOCK_M = 32  # extend: query tokens per program
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _decode_kernel(  # type: ignore[no-untyped-def]
+        Q,
+        K,
+        V,
+        Out,
+        Table,
+        ReqIdx,
+        SeqLens,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_ob,
+        stride_oh,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        stride_tr,
+        PAGE: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq_len = tl.load(SeqLens + b)
+        row = tl.load(ReqIdx + b)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, D)
+        heads = kvh * GROUP + g
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, D], tl.float32)
+        for start in range(0, seq_len, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            valid = n < seq_len
+            slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
+            at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
+            k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [GROUP_P2, BLOCK]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=(g < GROUP)[:, None],
+        )
+
+    @triton.jit
+    def _extend_kernel(  # type: ignore[no-untyped-def]
+        Q,
+        K,
+        V,
+        Out,
+        Table,
+        ReqIdx,
+        QStart,
+        ExtLens,
+        PrefixLens,
+        scale,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        stride_tr,
+        PAGE: tl.constexpr,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * BLOCK_Q
+        ext_len = tl.load(ExtLens + i)
+        if first < ext_len:
+            prefix = tl.load(PrefixLens + i)
+            q_at = tl.load(QStart + i)
+            row = tl.load(ReqIdx + i)
+            kvh = h // GROUP
+            mq = first + tl.arange(0, BLOCK_Q)  # query index among the request's new tokens
+            q_valid = mq < ext_len
+            d = tl.arange(0, D)
+            q = tl.load(
+                Q + (q_at + mq)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=q_valid[:, None],
+                other=0.0,
+            )
+            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q], tl.float32)
+            acc = tl.zeros([BLOCK_Q, D], tl.float32)
+            kv_len = prefix + tl.minimum(
+                ext_len, first + BLOCK_Q
+            )  # the block's last query sees this far
+            for start in range(0, kv_len, BLOCK):
+                n = start + tl.arange(0, BLOCK)
+                valid = n < kv_len
+                slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
+                at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
+                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [BLOCK_Q, BLOCK]
+                sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])
+                s = tl.where(sees, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(
+                Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=q_valid[:, None],
+            )
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def paged_decode(
+    pool: KVPool,
+    layer: int,
+    q: torch.Tensor,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: request b attends to its first seq_lens[b] positions."""
+    b, h, d = q.shape
+    group = h // pool.num_kv_heads
+    k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
+    out = torch.empty_like(q)
+    _decode_kernel[(b, pool.num_kv_heads)](
+        q,
+        k,
+        v,
+        out,
+        table,
+        req_idx,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        table.stride(0),
+        PAGE=pool.page_size,
+        GROUP=group,
+        GROUP_P2=max(16, _pow2(group)),
+        D=d,
+        BLOCK=BLOCK_N,
+        IEEE=pool.dtype == torch.float32,
+    )
+    return out
+
+
+def paged_extend(
+    pool: KVPool,
+    layer: int,
+    q: torch.Tensor,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    q_start: torch.Tensor,
+    ext_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_extend: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] (requests' new tokens back to back) -> [T, H, D], causal over each
+    request's prefix (from the pool) and its new tokens (already written to the pool)."""
+    _, h, d = q.shape
+    k, v = pool.pages(layer)
+    out = torch.empty_like(q)
+    grid = (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M))
+    _extend_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        table,
+        req_idx,
+        q_start,
+        ext_lens,
+        prefix_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        table.stride(0),
+        PAGE=pool.page_size,
+        GROUP=h // pool.num_kv_heads,
+        D=d,
+        BLOCK_Q=BLOCK_M,
+        BLOCK=BLOCK_N,
+        IEEE=pool.dtype == torch.float32,
+    )
+    return out
+
+
+class TritonAttention(AttentionBackend):
+    @classmethod
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> TritonAttention:
+        if triton is None:
+            raise BackendUnavailable(
+                "triton attention: the triton package is not installed (pip install 'baton[cuda]')"
+            )
+        if pool.device.type != "cuda" and not interpreting():
+            raise BackendUnavailable(
+                f"triton attention needs a CUDA pool, not {pool.device} "
+                "(or TRITON_INTERPRET=1, for tests)"
+            )
+        if pool.head_dim & (pool.head_dim - 1) or pool.head_dim < 16:
+            raise BackendUnavailable(
+                f"triton attention: head_dim {pool.head_dim} is not a power of two >= 16"
+            )
+        return cls(pool, req_to_token, scale)
+
+    def begin(self, batch: ForwardBatch) -> None:
+        dev = self.pool.device
+        self.out_loc = self.pool.locate(batch.out_cache_loc)
+        self.req_idx = batch.req_pool_indices.to(dev)
+        self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
+        if batch.mode == "extend":
+            starts = [0]
+            for n in batch.extend_lens[:-1]:
+                starts.append(starts[-1] + n)
+            self.q_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+            self.ext_lens = torch.tensor(batch.extend_lens, dtype=torch.int64, device=dev)
+            self.prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev)
+            self.max_extend = max(batch.extend_lens)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.out_loc, k, v)
+        table = self.req_to_token.table
+        if batch.mode == "decode":
+            out = paged_decode(
+                self.pool, layer, q.contiguous(), table, self.req_idx, self.seq_lens, self.scale
+            )
+        else:
+            out = paged_extend(
+                self.pool,
+                layer,
+                q.contiguous(),
+                table,
+                self.req_idx,
+                self.q_start,
+                self.ext_lens,
+                self.prefix_lens,
+                self.max_extend,
+                self.scale,
+            )
+        return out.view(out.shape[0], -1)

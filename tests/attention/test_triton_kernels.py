@@ -1,0 +1,124 @@
+"""Triton paged attention (runtime/attention/triton_backend.py) against a float64 reference.
+
+On a GPU the kernels run compiled; on CPU they run under TRITON_INTERPRET=1 on tiny shapes (set
+below, before triton is imported). Skipped where the triton package is not installed: it is in
+the optional `cuda` extra, not in the CPU install CI uses (on the CPU machines:
+`pip install triton==3.6.0` into the venv to run these).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from runtime.attention.triton_backend import paged_decode, paged_extend
+from runtime.kvcache.pool import KVPool
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # ||out-ref||/||ref||
+
+
+def setup(dtype: torch.dtype, lens: list[int], page_size: int, heads: int = 9,
+          kv_heads: int = 3, head_dim: int = 32) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+    """A 3-layer pool of random K/V and a req->token table whose rows (requests 2, 0, 3, ...:
+    not in batch order) hold scattered slots."""
+    gen = torch.Generator().manual_seed(sum(lens) + page_size)
+    num_pages = sum(-(-n // page_size) for n in lens) + 7
+    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, dtype, DEVICE)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
+    table = torch.zeros((len(lens) + 2, max(lens) + 5), dtype=torch.int64)
+    pages = torch.randperm(num_pages, generator=gen).tolist()
+    rows = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]
+    for row, n in zip(rows.tolist(), lens, strict=True):
+        mine = [pages.pop() for _ in range(-(-n // page_size))]
+        table[row, :n] = torch.tensor([mine[i // page_size] * page_size + i % page_size
+                                       for i in range(n)])
+    return pool, table.to(DEVICE), rows.to(DEVICE)
+
+
+def reference(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
+              query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of q [n, H, D] (at positions query_pos [n]) over the keys at `slots`
+    (positions 0..len-1), causal."""
+    k_all, v_all = pool.read(layer, pool.locate(slots))
+    k, v = k_all.double(), v_all.double()  # [L, KVH, D]
+    group = q.shape[1] // pool.num_kv_heads
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, D]
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    visible = torch.arange(len(slots), device=q.device)[None, :] <= query_pos[:, None]
+    s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} for {dtype}"
+
+
+# the interpreter computes in numpy, which has no bfloat16 (it reads garbage): bf16 on GPU only
+DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if DEVICE == "cuda" else [])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_decode_matches_float64(dtype: torch.dtype, page_size: int) -> None:
+    lens = [1, 17, 64, 65, 130]  # one key; across page and 64-key block edges
+    pool, table, rows = setup(dtype, lens, page_size)
+    q = torch.randn(len(lens), 9, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = q.to(DEVICE)
+    seq = torch.tensor(lens, device=DEVICE)
+    out = paged_decode(pool, 1, q, table, rows, seq, 0.17)
+    for b, n in enumerate(lens):
+        slots = table[rows[b], :n]
+        ref = reference(pool, 1, q[b : b + 1], slots, torch.tensor([n - 1], device=DEVICE), 0.17)
+        close(out[b : b + 1], ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int) -> None:
+    # (prefix, new tokens): a fresh prompt, a cached prefix, one new token, more than BLOCK_M new
+    pairs = [(0, 20), (37, 5), (64, 1), (3, 70)]
+    lens = [p + n for p, n in pairs]
+    pool, table, rows = setup(dtype, lens, page_size)
+    total = sum(n for _, n in pairs)
+    q = torch.randn(total, 9, 32, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
+    out = paged_extend(
+        pool, 2, q, table, rows, torch.tensor(starts, device=DEVICE),
+        torch.tensor([n for _, n in pairs], device=DEVICE),
+        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2)
+    for i, (prefix, n) in enumerate(pairs):
+        slots = table[rows[i], : prefix + n]
+        pos = torch.arange(prefix, prefix + n, device=DEVICE)
+        ref = reference(pool, 2, q[starts[i] : starts[i] + n], slots, pos, 0.2)
+        close(out[starts[i] : starts[i] + n], ref, dtype)
+
+
+def test_engine_on_triton_equals_torch_attention(tiny_path: Path) -> None:
+    """Chunked prefill (so later chunks attend to a cached prefix), GQA and decode through the
+    triton backend give the torch backend's greedy tokens, on the tiny random Llama."""
+    from runtime import Engine
+    from runtime.attention.triton_backend import TritonAttention
+
+    prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a",
+               "1, 2, 3,", "Hello"]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    outputs = {}
+    for name in ("torch", "triton"):
+        engine = Engine(model=str(tiny_path), attention_backend=name, linear_backend="torch",
+                        chunked_prefill_size=8, page_size=4, device=DEVICE)
+        try:
+            outputs[name] = [r["output_ids"] for r in engine.generate(prompts, params)]
+            assert engine.runner.kv.is_all_free()
+            assert (name == "triton") == isinstance(engine.runner.attn, TritonAttention)
+        finally:
+            engine.shutdown()
+    assert outputs["triton"] == outputs["torch"]
