@@ -48,6 +48,43 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _attend(  # type: ignore[no-untyped-def]
+        q,
+        K,
+        V,
+        Table,
+        row,
+        kvh,
+        n,
+        valid,
+        sees,
+        d,
+        m_i,
+        l_i,
+        acc,
+        scale,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        stride_tr,
+        PAGE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Fold one block of keys (positions n; `sees`: which query row may see which) into the
+        online softmax of q's rows: K/V rows are read from the pool through the table."""
+        slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
+        at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
+        k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [rows, keys]
+        s = tl.where(sees, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+    @triton.jit
     def _decode_kernel(  # type: ignore[no-untyped-def]
         Q,
         K,
@@ -90,18 +127,28 @@ if triton is not None:
         for start in range(0, seq_len, BLOCK):
             n = start + tl.arange(0, BLOCK)
             valid = n < seq_len
-            slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
-            at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
-            k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [GROUP_P2, BLOCK]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+            m_i, l_i, acc = _attend(
+                q,
+                K,
+                V,
+                Table,
+                row,
+                kvh,
+                n,
+                valid,
+                valid[None, :],
+                d,
+                m_i,
+                l_i,
+                acc,
+                scale,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_tr,
+                PAGE,
+                IEEE,
+            )
         out = acc / l_i[:, None]
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -162,19 +209,29 @@ if triton is not None:
             for start in range(0, kv_len, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 valid = n < kv_len
-                slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
-                at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
-                k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [BLOCK_Q, BLOCK]
-                sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])
-                s = tl.where(sees, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-                m_i = m_new
+                sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])  # causal
+                m_i, l_i, acc = _attend(
+                    q,
+                    K,
+                    V,
+                    Table,
+                    row,
+                    kvh,
+                    n,
+                    valid,
+                    sees,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    scale,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_tr,
+                    PAGE,
+                    IEEE,
+                )
             out = acc / l_i[:, None]
             tl.store(
                 Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
