@@ -39,6 +39,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# kernel argument lists read better packed than one per line
+# fmt: off
 if triton is not None:
 
     @triton.jit
@@ -49,26 +51,8 @@ if triton is not None:
 
     @triton.jit
     def _attend(  # type: ignore[no-untyped-def]
-        q,
-        K,
-        V,
-        Table,
-        row,
-        kvh,
-        n,
-        valid,
-        sees,
-        d,
-        m_i,
-        l_i,
-        acc,
-        scale,
-        stride_kp,
-        stride_kt,
-        stride_kh,
-        stride_tr,
-        PAGE: tl.constexpr,
-        IEEE: tl.constexpr,
+        q, K, V, Table, row, kvh, n, valid, sees, d, m_i, l_i, acc, scale,
+        stride_kp, stride_kt, stride_kh, stride_tr, PAGE: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Fold one block of keys (positions n; `sees`: which query row may see which) into the
         online softmax of q's rows: K/V rows are read from the pool through the table."""
@@ -86,28 +70,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(  # type: ignore[no-untyped-def]
-        Q,
-        K,
-        V,
-        Out,
-        Table,
-        ReqIdx,
-        SeqLens,
-        scale,
-        stride_qb,
-        stride_qh,
-        stride_ob,
-        stride_oh,
-        stride_kp,
-        stride_kt,
-        stride_kh,
-        stride_tr,
-        PAGE: tl.constexpr,
-        GROUP: tl.constexpr,
-        GROUP_P2: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK: tl.constexpr,
-        IEEE: tl.constexpr,
+        Q, K, V, Out, Table, ReqIdx, SeqLens, scale,
+        stride_qb, stride_qh, stride_ob, stride_oh,
+        stride_kp, stride_kt, stride_kh, stride_tr,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
+        BLOCK: tl.constexpr, IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -116,11 +83,8 @@ if triton is not None:
         g = tl.arange(0, GROUP_P2)
         d = tl.arange(0, D)
         heads = kvh * GROUP + g
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=(g < GROUP)[:, None],
-            other=0.0,
-        )
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
         m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, D], tl.float32)
@@ -128,60 +92,20 @@ if triton is not None:
             n = start + tl.arange(0, BLOCK)
             valid = n < seq_len
             m_i, l_i, acc = _attend(
-                q,
-                K,
-                V,
-                Table,
-                row,
-                kvh,
-                n,
-                valid,
-                valid[None, :],
-                d,
-                m_i,
-                l_i,
-                acc,
-                scale,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_tr,
-                PAGE,
-                IEEE,
+                q, K, V, Table, row, kvh, n, valid, valid[None, :], d, m_i, l_i, acc, scale,
+                stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
             )
         out = acc / l_i[:, None]
-        tl.store(
-            Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=(g < GROUP)[:, None],
-        )
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=(g < GROUP)[:, None])
 
     @triton.jit
     def _extend_kernel(  # type: ignore[no-untyped-def]
-        Q,
-        K,
-        V,
-        Out,
-        Table,
-        ReqIdx,
-        QStart,
-        ExtLens,
-        PrefixLens,
-        scale,
-        stride_qt,
-        stride_qh,
-        stride_ot,
-        stride_oh,
-        stride_kp,
-        stride_kt,
-        stride_kh,
-        stride_tr,
-        PAGE: tl.constexpr,
-        GROUP: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        BLOCK: tl.constexpr,
-        IEEE: tl.constexpr,
+        Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kp, stride_kt, stride_kh, stride_tr,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -195,49 +119,24 @@ if triton is not None:
             mq = first + tl.arange(0, BLOCK_Q)  # query index among the request's new tokens
             q_valid = mq < ext_len
             d = tl.arange(0, D)
-            q = tl.load(
-                Q + (q_at + mq)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=q_valid[:, None],
-                other=0.0,
-            )
+            q = tl.load(Q + (q_at + mq)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                        mask=q_valid[:, None], other=0.0)
             m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q], tl.float32)
             acc = tl.zeros([BLOCK_Q, D], tl.float32)
-            kv_len = prefix + tl.minimum(
-                ext_len, first + BLOCK_Q
-            )  # the block's last query sees this far
+            kv_len = prefix + tl.minimum(ext_len, first + BLOCK_Q)  # what its last query sees
             for start in range(0, kv_len, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 valid = n < kv_len
                 sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])  # causal
                 m_i, l_i, acc = _attend(
-                    q,
-                    K,
-                    V,
-                    Table,
-                    row,
-                    kvh,
-                    n,
-                    valid,
-                    sees,
-                    d,
-                    m_i,
-                    l_i,
-                    acc,
-                    scale,
-                    stride_kp,
-                    stride_kt,
-                    stride_kh,
-                    stride_tr,
-                    PAGE,
-                    IEEE,
+                    q, K, V, Table, row, kvh, n, valid, sees, d, m_i, l_i, acc, scale,
+                    stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
                 )
             out = acc / l_i[:, None]
-            tl.store(
-                Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
-                out.to(Out.dtype.element_ty),
-                mask=q_valid[:, None],
-            )
+            tl.store(Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+# fmt: on
 
 
 def _pow2(n: int) -> int:

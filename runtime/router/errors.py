@@ -8,31 +8,11 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
-from runtime.errors import error_body
+from runtime.errors import HttpError, error_body
 
 
-class RouterError(Exception):
+class RouterError(HttpError):
     """An error the router answers itself (bad input, no workers, a worker unreachable)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str = "invalid_request",
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = (
-            status,
-            message,
-            type_,
-            code,
-            param,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code, self.param)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), self.status)

@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.config import ServerArgs
+from runtime.errors import error_body
 from runtime.server import native_api, openai_api
-from runtime.server.errors import ApiError, error_body, install_error_handlers
+from runtime.server.errors import ApiError, install_error_handlers
 from runtime.server.metrics import Metrics
 from runtime.server.middleware import BodyLimit, ErrorGuard
 from runtime.server.sse import ClientGone

@@ -10,33 +10,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from runtime.errors import error_body
+from runtime.errors import HttpError
 from runtime.server.generation import KVTransferFailed
 from runtime.server.tokenizer_manager import SchedulerUnavailable
 from runtime.validation import InvalidRequest, describe_errors
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str = "invalid_request",
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = (
-            status,
-            message,
-            type_,
-            code,
-            param,
-        )
+class ApiError(HttpError):
+    """A worker's error answer (bad input, not ready, a failed transfer)."""
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.type, err.code, err.param), err.status)
+    return JSONResponse(err.body(), err.status)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,12 +14,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from runtime.errors import error_body
 from runtime.messages import GenerateRequest
 from runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.sampling_params import SamplingParams
 from runtime.server import openai_format as fmt
 from runtime.server import sse
-from runtime.server.errors import ApiError, error_body
+from runtime.server.errors import ApiError
 from runtime.server.generation import Delta, Generation, finish, interleave, start
 from runtime.server.json_route import JsonRoute
 from runtime.server.tokenizer_manager import TokenizerManager
