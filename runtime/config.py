@@ -92,8 +92,7 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     attention_backend: str = field(
-        default="auto",
-        metadata=_help("torch | cpu (native decode kernel) | auto: cpu where it runs"),
+        default="auto", metadata=_help("torch | cpu (native decode kernel) | auto: cpu where it runs")
     )
     sampler_backend: str = field(default="torch", metadata=_help("a registered sampler backend"))
     linear_backend: LinearBackend = field(
@@ -126,9 +125,7 @@ class DisaggConfig:
     """Prefill/decode disaggregation (DESIGN.md "Disaggregation flow"). Timeouts can also come
     from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
 
-    bootstrap_port: int = field(
-        default=8998, metadata=_help("prefill: the bootstrap server's port")
-    )
+    bootstrap_port: int = field(default=8998, metadata=_help("prefill: the bootstrap server's port"))
     kv_transfer: Literal["nixl", "tcp"] = field(
         default="nixl", metadata=_help("KV transfer backend; tcp is the fallback without nixl")
     )
@@ -146,10 +143,8 @@ class DisaggConfig:
     )
     advertise_host: str | None = field(
         default=None,
-        metadata=_help(
-            "address peers reach this server's KV endpoint on (default: $POD_IP, "
-            "else --host unless it is a wildcard, else this host's name)"
-        ),
+        metadata=_help("address peers reach this server's KV endpoint on (default: $POD_IP, "
+                       "else --host unless it is a wildcard, else this host's name)"),
     )
 
 
@@ -172,10 +167,8 @@ class ServerArgs:
     )
     plugin: tuple[str, ...] = field(
         default=(),
-        metadata=_help(
-            "module imported in the scheduler process first (repeatable); it may "
-            "call register_sampler_backend"
-        ),
+        metadata=_help("module imported in the scheduler process first (repeatable); it may "
+                       "call register_sampler_backend"),
     )
     max_body_bytes: int = field(default=1 << 20, metadata=_help("larger bodies get 413"))
     request_timeout_s: float = field(

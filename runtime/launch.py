@@ -48,14 +48,8 @@ class Child:
 
     def start(self, env: dict[str, str]) -> None:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent)
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -72,26 +66,17 @@ def free_port(host: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="baton up",
-        description=__doc__.split("\n\n")[0],
-        epilog="flags after `--` go to every `baton serve`",
-    )
+    p = argparse.ArgumentParser(prog="baton up", description=__doc__.split("\n\n")[0],
+                                epilog="flags after `--` go to every `baton serve`")
     p.add_argument("--model", default="builtin:smollm2-135m", help="HF folder or builtin:NAME")
     p.add_argument("--prefill", type=int, default=1, help="prefill servers (default: 1)")
     p.add_argument("--decode", type=int, default=1, help="decode servers (default: 1)")
     p.add_argument("--host", default="127.0.0.1", help="where everything listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
     p.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl")
-    p.add_argument(
-        "--policy", choices=["round_robin", "least_load", "prefix"], default="round_robin"
-    )
-    p.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="one log file per process (default: a new folder under the temp dir)",
-    )
+    p.add_argument("--policy", choices=["round_robin", "least_load", "prefix"], default="round_robin")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="one log file per process (default: a new folder under the temp dir)")
     return p
 
 
@@ -99,7 +84,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1 :]
+        argv, extra = argv[:at], argv[at + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
@@ -118,30 +103,17 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
         for i in range(count):
             port = free_port(args.host)
             cmd = [*baton, "serve", "--role", role, "--port", str(port), *common]
-            child = Child(
-                f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log"
-            )
+            child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log")
             if role == "prefill":
                 child.extra["bootstrap_port"] = free_port(args.host)
                 child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
             children.append(child)
-    router = [
-        *baton,
-        "router",
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--policy",
-        args.policy,
-    ]
+    router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
     for c in children:
         flag = "--prefill" if c.name.startswith("prefill") else "--decode"
         value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url
         router += [flag, value]
-    children.append(
-        Child("router", router, f"http://{args.host}:{args.port}", log_dir / "router.log")
-    )
+    children.append(Child("router", router, f"http://{args.host}:{args.port}", log_dir / "router.log"))
     return children
 
 
@@ -179,10 +151,8 @@ class Deployment:
             return
         code = child.exited()
         if code is not None:
-            raise RuntimeError(
-                f"{child.name} exited with code {code}; its log "
-                f"({child.log_path}) ends:\n{child.tail()}"
-            )
+            raise RuntimeError(f"{child.name} exited with code {code}; its log "
+                               f"({child.log_path}) ends:\n{child.tail()}")
         try:
             answer = http.get(f"{child.url}/ready")
             ready = answer.status_code == 200
@@ -192,11 +162,8 @@ class Deployment:
         if ready:
             child.ready_after = waited
             done = sum(c.ready_after is not None for c in self.children)
-            print(
-                f"  [{done}/{len(self.children)}] {child.name} ready at {child.url} "
-                f"({waited:.1f} s)",
-                flush=True,
-            )
+            print(f"  [{done}/{len(self.children)}] {child.name} ready at {child.url} "
+                  f"({waited:.1f} s)", flush=True)
 
     def watch(self) -> int:
         """Serve until a signal or until a child dies; returns the exit code."""
@@ -204,12 +171,8 @@ class Deployment:
             for child in self.children:
                 code = child.exited()
                 if code is not None:
-                    print(
-                        f"baton up: {child.name} exited with code {code}; stopping. Its log "
-                        f"ends:\n{child.tail()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"baton up: {child.name} exited with code {code}; stopping. Its log "
+                          f"ends:\n{child.tail()}", file=sys.stderr, flush=True)
                     return 1
             time.sleep(0.5)
         return 0
@@ -238,15 +201,12 @@ def _signal(child: Child, sig: int) -> None:
 
 
 def banner(url: str, model: str, log_dir: Path) -> str:
-    body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
-    )
-    return (
-        f"\nbaton is up: {url}  (OpenAI API under /v1; logs in {log_dir})\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"       -d '{body}'\n"
-        "Ctrl-C stops everything.\n"
-    )
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return (f"\nbaton is up: {url}  (OpenAI API under /v1; logs in {log_dir})\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{body}'\n"
+            "Ctrl-C stops everything.\n")
 
 
 def main(argv: list[str]) -> int:
@@ -260,11 +220,8 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(
-        f"baton up: {args.prefill} prefill + {args.decode} decode + router, model "
-        f"{args.model}, KV transfer {args.kv_transfer}; logs in {log_dir}",
-        flush=True,
-    )
+    print(f"baton up: {args.prefill} prefill + {args.decode} decode + router, model "
+          f"{args.model}, KV transfer {args.kv_transfer}; logs in {log_dir}", flush=True)
     try:
         deployment.start()
         deployment.wait_ready()

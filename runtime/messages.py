@@ -91,13 +91,8 @@ class DisaggStats:
 
     def take(self) -> DisaggStats:
         """These numbers, leaving zeroed counters behind (rooms stay a level)."""
-        out = DisaggStats(
-            self.transfers,
-            self.transfer_bytes,
-            self.transfer_seconds,
-            self.failures,
-            dict(self.rooms),
-        )
+        out = DisaggStats(self.transfers, self.transfer_bytes, self.transfer_seconds,
+                          self.failures, dict(self.rooms))
         self.transfers, self.transfer_bytes, self.transfer_seconds, self.failures = 0, 0, [], {}
         return out
 

@@ -20,7 +20,6 @@ from runtime.validation import InvalidRequest
 INT64_MAX = (1 << 63) - 1
 MAX_TOKENS_LIMIT = (1 << 31) - 1
 
-
 def _integral(value: Any) -> Any:
     """JSON has one number type: 3.0 is the integer 3 (JSON Schema agrees); 3.5 stays an error."""
     if isinstance(value, float) and value.is_integer():
@@ -56,23 +55,17 @@ class Bootstrap(_Strict):
     def rooms(self, role: str, choices: int) -> list[int | None]:
         """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""
         room = self.bootstrap_room
-        if role != "colocated" and (
-            room is None or not self.bootstrap_host or self.bootstrap_port is None
-        ):
+        if role != "colocated" and (room is None or not self.bootstrap_host
+                                    or self.bootstrap_port is None):
             raise InvalidRequest(
                 f"a {role} server needs bootstrap_host, bootstrap_port and bootstrap_room "
-                "(send requests through `baton router`)",
-                "bootstrap_room",
-            )
+                "(send requests through `baton router`)", "bootstrap_room")
         if room is None:
             return [None] * choices
         rooms = [room] if isinstance(room, int) else list(room)
         if len(rooms) != choices or len(set(rooms)) != len(rooms):
-            raise InvalidRequest(
-                f"bootstrap_room: give {choices} distinct room(s), one per "
-                f"choice; got {len(rooms)}",
-                "bootstrap_room",
-            )
+            raise InvalidRequest(f"bootstrap_room: give {choices} distinct room(s), one per "
+                                 f"choice; got {len(rooms)}", "bootstrap_room")
         return list(rooms)
 
 
@@ -111,9 +104,8 @@ class SamplingFields(Bootstrap):
             if not harmless(getattr(self, name), self):
                 raise InvalidRequest(f"not supported: {name} ({why})", name)
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequest(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
+            raise InvalidRequest("stream_options is only allowed when stream is true",
+                                 "stream_options")
         if self.logit_bias:
             _sampling_params({"logit_bias": self.logit_bias}, prefix="")
 
@@ -124,18 +116,9 @@ class SamplingFields(Bootstrap):
             "seed": None if self.seed is None else _wrap_int64(self.seed + seed_offset),
         }
         for name in (
-            "temperature",
-            "top_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "ignore_eos",
-            "stop_token_ids",
-            "skip_special_tokens",
-            "stream_interval",
-            "logit_bias",
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+            "stream_interval", "logit_bias",
         ):
             params[name] = getattr(self, name)
         return {k: v for k, v in params.items() if v is not None}
@@ -166,9 +149,7 @@ Prompt = (
     Annotated[str, Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
-    | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=16)
-    ]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=16)]
 )
 
 
@@ -227,12 +208,8 @@ class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any, Any], bool], str]]] = {
         name: (_absent, "this server does not call tools or functions")
         for name in ("tools", "tool_choice", "functions", "function_call")
-    } | {
-        "response_format": (
-            lambda v, _: v is None or v == {"type": "text"},
-            'only {"type": "text"}: no JSON mode or schema yet',
-        )
-    }
+    } | {"response_format": (lambda v, _: v is None or v == {"type": "text"},
+                             'only {"type": "text"}: no JSON mode or schema yet')}
 
     def check(self) -> None:
         super().check()

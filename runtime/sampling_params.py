@@ -89,12 +89,7 @@ class SamplingParams:
 
 _INT_FIELDS = {"max_new_tokens", "top_k", "seed", "stream_interval"}
 _FLOAT_FIELDS = {
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
+    "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
 }
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens"}
 
@@ -133,20 +128,15 @@ def _coerce(name: str, value: Any) -> Any:
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` (JSON keys are strings) as sorted (id, bias) pairs."""
     if not isinstance(value, dict):
-        raise InvalidRequest(
-            f"logit_bias must map token ids to numbers, got {value!r}", "logit_bias"
-        )
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {value!r}",
+                             "logit_bias")
     pairs = []
     for key, bias in value.items():
         token = _token_id(key)
-        if (
-            isinstance(bias, bool)
-            or not isinstance(bias, int | float)
-            or not (-LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT)
-        ):
-            raise InvalidRequest(
-                f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}", "logit_bias"
-            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not (
+                -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise InvalidRequest(f"logit_bias[{key!r}] must be a number in [-100, 100], "
+                                 f"got {bias!r}", "logit_bias")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
 
@@ -155,7 +145,6 @@ def _token_id(key: Any) -> int:
     if isinstance(key, str) and key.isascii() and key.isdigit():
         key = int(key)
     if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 31:
-        raise InvalidRequest(
-            f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias"
-        )
+        raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers), "
+                             f"got {key!r}", "logit_bias")
     return key

@@ -22,28 +22,11 @@ from tokenizers import Tokenizer as _Backend
 
 # tokenizer_config.json keys that make transformers rewrite tokenizer.json's post-processor
 _REWRITES = ("add_bos_token", "add_eos_token")
-_SPECIAL_KEYS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "pad_token",
-    "sep_token",
-    "cls_token",
-    "mask_token",
-)
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                 "mask_token")
 # transformers' clean_up_tokenization: spaces before punctuation and English contractions
-_CLEANUPS = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 def _token_text(value: Any) -> str | None:
@@ -84,22 +67,15 @@ class Tokenizer:
         return token
 
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tokenize: bool = False,
-        add_generation_prompt: bool = False,
-        **extra: Any,
+        self, messages: list[dict[str, Any]], tokenize: bool = False,
+        add_generation_prompt: bool = False, **extra: Any,
     ) -> str | list[int]:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._render is None:
             self._render = _compile(self.chat_template)
-        text = self._render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-            **extra,
-        )
+        text = self._render(messages=messages, add_generation_prompt=add_generation_prompt,
+                            **self.special_tokens, **extra)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -113,20 +89,13 @@ def _compile(template: str) -> Callable[..., str]:
 
         raise TemplateError(message)
 
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

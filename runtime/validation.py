@@ -20,9 +20,8 @@ class InvalidRequest(ValueError):
     """Bad input from a client. `field` names the offending parameter; servers map it to a 4xx
     (`status`: 400, 409 for a bootstrap room already in use, 415 for a body that is not JSON)."""
 
-    def __init__(
-        self, message: str, field: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
+    def __init__(self, message: str, field: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.field = field
         self.status = status
@@ -71,8 +70,7 @@ def is_json_content_type(content_type: str | None) -> bool:
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
     return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json")
-    )
+        subtype == "json" or subtype.endswith("+json"))
 
 
 def parse_json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
@@ -81,29 +79,24 @@ def parse_json_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
         got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
         raise InvalidRequest(
             f"the body must be JSON sent with Content-Type: application/json (got {got})",
-            status=415,
-            code="unsupported_media_type",
-        )
+            status=415, code="unsupported_media_type")
     if not raw.strip():
-        raise InvalidRequest(
-            "malformed JSON body: it is empty; send a JSON object", code="json_invalid"
-        )
+        raise InvalidRequest("malformed JSON body: it is empty; send a JSON object",
+                             code="json_invalid")
     try:
         body = json.loads(raw, parse_constant=_NonFinite, parse_float=_parse_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, too deep
         raise InvalidRequest(f"malformed JSON body: {e}", code="json_invalid") from None
     if not isinstance(body, dict):
-        raise InvalidRequest(
-            f"the body must be a JSON object, not {_json_type(body)}", code="json_invalid"
-        )
+        raise InvalidRequest(f"the body must be a JSON object, not {_json_type(body)}",
+                             code="json_invalid")
     check_values(body)
     return body
 
 
 def _json_type(value: Any) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
+        type(value), "a number")
 
 
 def check_values(body: Any) -> None:
@@ -130,23 +123,17 @@ def _check_text(text: str, loc: Sequence[object]) -> None:
         where = field_path(loc) or "body"
         raise InvalidRequest(
             f"{where}: a lone UTF-16 surrogate (\\u{ord(found.group()):04x} at character "
-            f"{found.start()}) is not valid Unicode text",
-            where,
-        )
+            f"{found.start()}) is not valid Unicode text", where)
 
 
 def _check_number(value: _NonFinite | float, loc: Sequence[object]) -> None:
     if isinstance(value, _NonFinite):
         where = field_path(loc) or "body"
         literal = value.literal
-        kind = (
-            "is not valid JSON"
-            if literal in ("NaN", "Infinity", "-Infinity")
-            else ("overflows to infinity")
-        )
-        raise InvalidRequest(
-            f"{where}: {literal} {kind}; numbers must be finite", where, code="json_invalid"
-        )
+        kind = "is not valid JSON" if literal in ("NaN", "Infinity", "-Infinity") else (
+            "overflows to infinity")
+        raise InvalidRequest(f"{where}: {literal} {kind}; numbers must be finite", where,
+                             code="json_invalid")
     if not math.isfinite(value):  # a body built in Python rather than parsed
         where = field_path(loc) or "body"
         raise InvalidRequest(f"{where}: {value} is not a finite number", where)
@@ -162,9 +149,8 @@ def describe_errors(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(safe_text("; ".join(parts)) or "invalid request", param)
 
 
-def context_overflow(
-    prompt_tokens: int, max_new: int, context_len: int, field: str, prompt_field: str = "prompt"
-) -> InvalidRequest | None:
+def context_overflow(prompt_tokens: int, max_new: int, context_len: int, field: str,
+                     prompt_field: str = "prompt") -> InvalidRequest | None:
     """vLLM's answer when the prompt plus the tokens asked for do not fit the context window."""
     total = prompt_tokens + max_new
     if total <= context_len:
@@ -173,6 +159,4 @@ def context_overflow(
         f"This model's maximum context length is {context_len} tokens; you requested {total} "
         f"tokens ({prompt_tokens} in the {prompt_field} + {max_new} for the completion). "
         f"Reduce the {prompt_field} or {field}.",
-        field if prompt_tokens < context_len else prompt_field,
-        code="context_length_exceeded",
-    )
+        field if prompt_tokens < context_len else prompt_field, code="context_length_exceeded")

@@ -53,17 +53,14 @@ def load_paged_decode() -> Callable[..., None] | None:
     """The paged decode attention op, or None where it cannot be built here."""
     from torch.utils import cpp_extension
 
-    key = b"|".join(
-        [_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_flags()]
-    )
+    key = b"|".join([_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
+                     _cpu_flags()])
     name = f"baton_paged_decode_{hashlib.sha256(key).hexdigest()[:16]}"
     _ensure_ninja_on_path()
     compiler = os.environ.get("CXX", "c++")
     if not shutil.which(compiler):
-        log.warning(
-            "native paged-decode kernel unavailable (no C++ compiler %r); using torch attention",
-            compiler,
-        )
+        log.warning("native paged-decode kernel unavailable (no C++ compiler %r); using torch "
+                    "attention", compiler)
         return None
     start = time.perf_counter()
     try:

@@ -48,9 +48,7 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ lsr(z, 31)
 
 
-def oracle_tokens(
-    identities: torch.Tensor, positions: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
+def oracle_tokens(identities: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B] int64 oracle tokens for [B] identities at [B] positions."""
     z = mix64((identities ^ positions) + _signed(GOLDEN))
     # z read as unsigned, mod vocab: split into 32-bit halves so nothing overflows

@@ -93,9 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._error(404, f"no route {self.path}", "not_found")
         except UnknownPeer as e:
-            self._error(
-                404, f"unknown decode server {e}; register with POST /peers", "unknown_peer"
-            )
+            self._error(404, f"unknown decode server {e}; register with POST /peers", "unknown_peer")
         except RoomInUse as e:
             self._error(409, str(e), "room_in_use")
         except PeerRejected as e:
@@ -105,10 +103,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         prefix = "/rooms/"
-        if not self.path.startswith(prefix) or not self.path[len(prefix) :].lstrip("-").isdigit():
+        if not self.path.startswith(prefix) or not self.path[len(prefix):].lstrip("-").isdigit():
             self._error(404, f"no route {self.path}", "not_found")
             return
-        cancelled = self.server.rooms.cancel_room(int(self.path[len(prefix) :]))
+        cancelled = self.server.rooms.cancel_room(int(self.path[len(prefix):]))
         self._reply(200 if cancelled else 202, {"cancelled": cancelled})
 
 
@@ -122,14 +120,11 @@ class BootstrapServer:
         try:
             self.httpd = _Server((host, port), _Handler)
         except OSError as e:
-            raise OSError(
-                f"bootstrap server cannot listen on {host}:{port}: {e} (--bootstrap-port)"
-            ) from e
+            raise OSError(f"bootstrap server cannot listen on {host}:{port}: {e} "
+                          "(--bootstrap-port)") from e
         self.httpd.rooms = rooms
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, name="bootstrap", daemon=True
-        )
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="bootstrap", daemon=True)
         self.thread.start()
         log.info("bootstrap server on %s:%d", host, self.port)
 

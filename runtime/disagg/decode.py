@@ -1,18 +1,18 @@
 """Decode role: the prealloc queue and the transfer queue in front of the scheduler.
 
-Bootstrapping      prealloc: wait (never fail) until the pool has room for the prompt with the
-                   running requests' reserve kept, take the pages, wait for the scheduler's KV
-                   fence (an overlapped forward may still write a page just freed), then send
-                   the page indices to the prefill (POST /rooms, on a worker thread)
-WaitingForInput    the prefill may write into those pages now
-Transferring       (passed through) the backend says every page is in place and hands over the
-                   aux record that came behind them: first token, logprob, customized_info
-Success            the aux record checks out: the request goes through `process_prebuilt` into
-                   the running decode batch
-Failed             the request ends with a clear error; its pages are freed as soon as the
-                   prefill can no longer write them: it never knew them, it said so (cancel
-                   answered, a terminal frame came), it is gone (heartbeats), or the waiting
-                   timeout passed once more
+  Bootstrapping      prealloc: wait (never fail) until the pool has room for the prompt with the
+                     running requests' reserve kept, take the pages, wait for the scheduler's KV
+                     fence (an overlapped forward may still write a page just freed), then send
+                     the page indices to the prefill (POST /rooms, on a worker thread)
+  WaitingForInput    the prefill may write into those pages now
+  Transferring       (passed through) the backend says every page is in place and hands over the
+                     aux record that came behind them: first token, logprob, customized_info
+  Success            the aux record checks out: the request goes through `process_prebuilt` into
+                     the running decode batch
+  Failed             the request ends with a clear error; its pages are freed as soon as the
+                     prefill can no longer write them: it never knew them, it said so (cancel
+                     answered, a terminal frame came), it is gone (heartbeats), or the waiting
+                     timeout passed once more
 """
 
 from __future__ import annotations
@@ -76,10 +76,8 @@ class DecodeRole(Generic[R]):
 
     def add(self, req: R) -> None:
         if req.bootstrap_room is None or not req.bootstrap_host or req.bootstrap_port is None:
-            raise RoomError(
-                "a decode server needs bootstrap_host, bootstrap_port and "
-                "bootstrap_room (send requests through `baton router`)"
-            )
+            raise RoomError("a decode server needs bootstrap_host, bootstrap_port and "
+                            "bootstrap_room (send requests through `baton router`)")
         self.scheduler.validate(req)
         if req.bootstrap_room in self.rooms:
             raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
@@ -118,11 +116,8 @@ class DecodeRole(Generic[R]):
             if r is None or r.room.state.terminal:
                 self.prealloc.popleft()
                 continue
-            incoming = [
-                x.req
-                for x in self.rooms.values()
-                if x.fence is not None and not x.room.state.terminal
-            ]
+            incoming = [x.req for x in self.rooms.values()
+                        if x.fence is not None and not x.room.state.terminal]
             if not self.scheduler.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
@@ -143,34 +138,20 @@ class DecodeRole(Generic[R]):
             self._prebuilt(r, aux, touched)
         elif r.room.waited() > self.config.waiting_timeout_s:  # waiting for input, or to land
             t = self.config.waiting_timeout_s
-            self._fail(
-                r,
-                f"the KV for room {r.room.room} did not arrive within {t:.0f} s",
-                touched,
-                "waiting_timeout",
-            )
+            self._fail(r, f"the KV for room {r.room.room} did not arrive within {t:.0f} s",
+                       touched, "waiting_timeout")
 
     def _register(self, r: _Room[R], touched: list[R]) -> None:
         if r.registering is None:
             if r.fence is not None and self.scheduler.fence_passed(r.fence):
-                request = RoomRequest(
-                    r.room.room,
-                    self.client.me.decode_id,
-                    r.req.rid,
-                    len(r.req.origin_input_ids),
-                    list(r.req.kv_pages),
-                )
+                request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
+                                      len(r.req.origin_input_ids), list(r.req.kv_pages))
                 self.transfer.expect(r.room.room)
                 r.registering = self.workers.submit(self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
             elif r.room.waited() > self.config.bootstrap_timeout_s:
-                self._fail(
-                    r,
-                    f"no KV pages for room {r.room.room} within "
-                    f"{self.config.bootstrap_timeout_s:.0f} s",
-                    touched,
-                    "bootstrap_timeout",
-                )
+                self._fail(r, f"no KV pages for room {r.room.room} within "
+                           f"{self.config.bootstrap_timeout_s:.0f} s", touched, "bootstrap_timeout")
         elif r.registering.done():
             error = r.registering.exception()
             if error is None:
@@ -197,10 +178,8 @@ class DecodeRole(Generic[R]):
 
     def _aux_problem(self, req: R, aux: AuxRecord) -> str | None:
         if aux.room != req.bootstrap_room or aux.prompt_len != len(req.origin_input_ids):
-            return (
-                f"aux record mismatch: room {aux.room} / {aux.prompt_len} tokens for room "
-                f"{req.bootstrap_room} / {len(req.origin_input_ids)} tokens"
-            )
+            return (f"aux record mismatch: room {aux.room} / {aux.prompt_len} tokens for room "
+                    f"{req.bootstrap_room} / {len(req.origin_input_ids)} tokens")
         if not 0 <= aux.token < self.vocab_size:
             return f"aux record for room {aux.room}: token {aux.token} outside the vocabulary"
         return None
@@ -233,12 +212,8 @@ class DecodeRole(Generic[R]):
     def _prefill_gone(self, addr: Address, touched: list[R]) -> None:
         for r in [r for r in self.rooms.values() if r.addr == addr]:
             r.prefill_done = True  # a dead process writes nothing
-            self._fail(
-                r,
-                f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
-                touched,
-                "prefill_gone",
-            )
+            self._fail(r, f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
+                       touched, "prefill_gone")
 
     def _watched(self) -> set[Address]:
         return {r.addr for r in self.rooms.values() if r.registered and not r.room.state.terminal}

@@ -84,15 +84,11 @@ class PrefillClient:
         theirs = KVLayout(**info["layout"])
         problem = theirs.mismatch(self.transfer.layout)
         if problem:
-            raise TransferError(
-                f"prefill {_url(addr)} cannot send KV here: KV layouts differ "
-                f"(that prefill vs this decode): {problem}"
-            )
+            raise TransferError(f"prefill {_url(addr)} cannot send KV here: KV layouts differ "
+                                f"(that prefill vs this decode): {problem}")
         if info.get("backend") != self.transfer.name:
-            raise TransferError(
-                f"prefill {_url(addr)} sends KV with {info.get('backend')!r}, "
-                f"this decode server expects {self.transfer.name!r} (--kv-transfer)"
-            )
+            raise TransferError(f"prefill {_url(addr)} sends KV with {info.get('backend')!r}, "
+                                f"this decode server expects {self.transfer.name!r} (--kv-transfer)")
         resp = self._call("POST", addr, "/peers", asdict(self.me))
         if resp.status_code != 200:
             raise TransferError(
@@ -105,9 +101,7 @@ class PrefillClient:
         with self._lock:
             self.registered.pop(addr, None)
 
-    def _call(
-        self, method: str, addr: Address, path: str, body: dict[str, Any] | None
-    ) -> httpx.Response:
+    def _call(self, method: str, addr: Address, path: str, body: dict[str, Any] | None) -> httpx.Response:
         try:
             return self.http.request(method, f"{_url(addr)}{path}", json=body)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:

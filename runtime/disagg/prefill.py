@@ -86,29 +86,20 @@ class PrefillRole(Generic[R]):
         if problem:
             raise PeerRejected(f"KV layouts differ (this prefill vs that decode): {problem}")
         if peer.backend != self.transfer.name:
-            raise PeerRejected(
-                f"this prefill sends KV with {self.transfer.name!r}, "
-                f"the decode server expects {peer.backend!r} (--kv-transfer)"
-            )
+            raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
+                               f"the decode server expects {peer.backend!r} (--kv-transfer)")
         self.transfer.connect(peer.decode_id, peer.backend_info)
         address = (peer.receiver_host, peer.receiver_port)
         with self.lock:
-            stale = [
-                d
-                for d, p in self.peers.items()  # a decode restarted on the same address
-                if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id
-            ]
+            stale = [d for d, p in self.peers.items()  # a decode restarted on the same address
+                     if (p.receiver_host, p.receiver_port) == address and d != peer.decode_id]
             for decode_id in stale:
                 del self.peers[decode_id]
             self.peers[peer.decode_id] = peer
         for decode_id in stale:
             self.transfer.forget(decode_id)
-        log.info(
-            "decode server %s registered (receiver %s:%d)",
-            peer.decode_id,
-            peer.receiver_host,
-            peer.receiver_port,
-        )
+        log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
+                 peer.receiver_host, peer.receiver_port)
         return self.transfer.local_info()
 
     def offer_room(self, request: RoomRequest) -> None:
@@ -135,9 +126,8 @@ class PrefillRole(Generic[R]):
     # ---- the scheduler loop's side -----------------------------------------------------------
     def add(self, req: R) -> None:
         if req.bootstrap_room is None:
-            raise RoomError(
-                "a prefill server needs bootstrap_room (send requests through `baton router`)"
-            )
+            raise RoomError("a prefill server needs bootstrap_room (send requests through "
+                            "`baton router`)")
         self.scheduler.validate(req)
         req.keep_first_token_only()
         with self.lock:
@@ -191,11 +181,8 @@ class PrefillRole(Generic[R]):
             r.room.advance(RoomState.WAITING_FOR_INPUT)
         elif r.room.waited() > self.config.bootstrap_timeout_s:
             t = self.config.bootstrap_timeout_s
-            why = (
-                f"no decode server asked for room {r.room.room} within {t:.0f} s"
-                if r.req is not None
-                else f"no request for room {r.room.room} within {t:.0f} s"
-            )
+            why = (f"no decode server asked for room {r.room.room} within {t:.0f} s"
+                   if r.req is not None else f"no request for room {r.room.room} within {t:.0f} s")
             self._fail(r, why, touched, "bootstrap_timeout")
 
     def _target_problem(self, req: R, target: RoomRequest) -> str | None:
@@ -214,14 +201,10 @@ class PrefillRole(Generic[R]):
                 return  # the next poll fails it
             r.room.advance(RoomState.TRANSFERRING)
         aux = AuxRecord(
-            room=target.room,
-            rid=req.rid,
-            prompt_len=len(req.origin_input_ids),
+            room=target.room, rid=req.rid, prompt_len=len(req.origin_input_ids),
             token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
-            top_logprobs=[list(x) for x in req.output_top_logprobs[0]]
-            if req.output_top_logprobs
-            else None,
+            top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
             customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
         )
         src = req.kv_pages[: len(target.dst_pages)]
@@ -231,9 +214,7 @@ class PrefillRole(Generic[R]):
     def _finish_transfer(self, r: _Room[R], sending: Future[Sent], touched: list[R]) -> None:
         error = sending.exception()
         if error is not None:
-            self._fail(
-                r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error"
-            )
+            self._fail(r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error")
             return
         sent = sending.result()
         self.stats.transfers += 1

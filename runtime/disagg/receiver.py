@@ -42,9 +42,7 @@ class KVReceiver:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self.links.add(sock)
-            threading.Thread(
-                target=self._serve, args=(sock, peer), name="kv-link", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(sock, peer), name="kv-link", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         try:

@@ -53,9 +53,7 @@ class Room:
         if self.state.terminal:
             return False
         self.state, self.since = state, time.monotonic()
-        log.debug(
-            "room %d: %s at +%.1f ms", self.room, state.value, 1e3 * (self.since - self.created)
-        )
+        log.debug("room %d: %s at +%.1f ms", self.room, state.value, 1e3 * (self.since - self.created))
         return True
 
     def fail(self, reason: str) -> bool:

@@ -111,9 +111,7 @@ class Engine:
 
     def _result(self, req: Req) -> dict[str, Any]:
         sp = req.sampling_params
-        text = str(
-            self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
-        )
+        text = str(self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens))
         reason = req.finished_reason
         if reason is not None and isinstance(reason.matched, str) and reason.matched in text:
             text = text[: text.index(reason.matched)]
@@ -126,9 +124,7 @@ class Engine:
         if req.customized_info:
             meta["customized_info"] = req.customized_info
         if req.return_logprob:
-            meta["output_token_logprobs"] = list(
-                zip(req.output_logprobs, req.output_ids, strict=True)
-            )
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids, strict=True))
             if req.top_logprobs_num:
                 meta["output_top_logprobs"] = req.output_top_logprobs
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

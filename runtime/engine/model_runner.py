@@ -54,21 +54,13 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.model_path: Path = resolve_model_path(config.model)
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
-        self.context_len = min(
-            config.context_length or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
         num_pages = max(1, config.max_total_tokens // config.page_size)
         self.pool = KVPool(
-            mc.num_layers,
-            num_pages,
-            config.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            config.device,
+            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
         )
         self.kv = KVCacheManager(
             PageAllocator(num_pages, config.page_size),
@@ -83,13 +75,9 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
         log.info(
             "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s, attention %s",
-            self.model_path,
-            mc.num_layers,
-            self.pool.num_slots,
-            self.pool.num_slots * self.pool.bytes_per_slot / 2**20,
-            self.dtype,
-            "oneDNN" if onednn else "torch",
-            type(self.attn).__name__,
+            self.model_path, mc.num_layers, self.pool.num_slots,
+            self.pool.num_slots * self.pool.bytes_per_slot / 2**20, self.dtype,
+            "oneDNN" if onednn else "torch", type(self.attn).__name__,
         )
 
     @property

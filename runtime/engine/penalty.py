@@ -36,9 +36,7 @@ class PenaltyState:
                 seen[row, torch.tensor(prompt + output, dtype=torch.int64)] = True
             if output:
                 counts[row].index_add_(
-                    0,
-                    torch.tensor(output, dtype=torch.int64),
-                    torch.ones(len(output), dtype=torch.int32),
+                    0, torch.tensor(output, dtype=torch.int64), torch.ones(len(output), dtype=torch.int32)
                 )
 
     def accumulate(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -47,9 +45,7 @@ class PenaltyState:
         seen[rows, tokens] = True
         counts[rows, tokens] += 1
 
-    def apply(
-        self, logits: torch.Tensor, rows: torch.Tensor, info: SamplingBatchInfo
-    ) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         assert info.repetition_penalties is not None
         assert info.frequency_penalties is not None and info.presence_penalties is not None
         seen, counts = self._ensure()

@@ -103,9 +103,7 @@ class TokenOracleSampler(SamplerBackend):
 
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         if info.rids_int is None or info.bootstrap_room_ids_int is None:
-            raise RuntimeError(
-                "token_oracle needs rids_int and bootstrap_room_ids_int in the batch"
-            )
+            raise RuntimeError("token_oracle needs rids_int and bootstrap_room_ids_int in the batch")
         ids = identities(info.rids_int, info.bootstrap_room_ids_int)
         tokens = oracle_tokens(ids, info.sample_positions, self.vocab_size)
         return SamplerOutput(tokens.to(logits.device))

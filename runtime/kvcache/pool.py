@@ -71,9 +71,7 @@ class KVPool:
         """Where each slot's row starts in a layer's K (or V) view, in elements from its first
         element (the same for every layer): for kernels that address the pool directly."""
         k_pages = self.buffer[:, 0, 0]
-        return (slots // self.page_size) * k_pages.stride(0) + (
-            slots % self.page_size
-        ) * k_pages.stride(1)
+        return (slots // self.page_size) * k_pages.stride(0) + (slots % self.page_size) * k_pages.stride(1)
 
     def page_rows(self) -> torch.Tensor:
         """The buffer as raw bytes, one row per page: [num_pages, page_bytes] uint8."""

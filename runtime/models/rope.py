@@ -56,7 +56,9 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """x: [T, heads, D] rotated by its token's angles (HF rotate_half layout)."""
     cos, sin = cos_sin
     return x * cos + _rotate_half(x) * sin

@@ -53,28 +53,19 @@ class Router:
         self.client = httpx.AsyncClient(
             trust_env=False,  # workers are reached directly, never through an env proxy
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-        )
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
         self.proxy = Proxy(self.client, self.metrics, config)
-        self.health = HealthChecker(
-            self.client,
-            self.workers,
-            self.metrics,
-            config.health_interval_s,
-            config.health_timeout_s,
-            config.health_failures,
-        )
+        self.health = HealthChecker(self.client, self.workers, self.metrics,
+                                    config.health_interval_s, config.health_timeout_s,
+                                    config.health_failures)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Discovery and health checks in the background while the app serves."""
-        tasks = [
-            asyncio.create_task(
-                run_discovery(self.discovery, self.workers, self._membership_changed)
-            ),
-            asyncio.create_task(self.health.run()),
-            asyncio.create_task(self.discovery.watch()),
-        ]
+        tasks = [asyncio.create_task(run_discovery(self.discovery, self.workers,
+                                                   self._membership_changed)),
+                 asyncio.create_task(self.health.run()),
+                 asyncio.create_task(self.discovery.watch())]
         try:
             yield
         finally:
@@ -98,7 +89,8 @@ class Router:
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
-            req = parse_request(endpoint, await request.body(), request.headers.get("content-type"))
+            req = parse_request(endpoint, await request.body(),
+                                request.headers.get("content-type"))
             prefill, decode = self.pick(req.prompt)
         except RouterError as e:
             self.metrics.on_request(endpoint, e.status)
@@ -124,14 +116,12 @@ class Router:
             raise unavailable("no ready decode worker to list the models")
         worker = least_loaded(ready)
         try:
-            r = await self.client.get(
-                f"{worker.url}/v1/models", timeout=self.config.health_timeout_s
-            )
+            r = await self.client.get(f"{worker.url}/v1/models",
+                                      timeout=self.config.health_timeout_s)
         except httpx.HTTPError as e:
             return self.proxy.failed(worker, e).response()
-        return Response(
-            r.content, r.status_code, media_type=r.headers.get("content-type", "application/json")
-        )
+        return Response(r.content, r.status_code,
+                        media_type=r.headers.get("content-type", "application/json"))
 
     def readiness(self) -> JSONResponse:
         counts = {role: len(self.workers.pool(role).ready()) for role in ("prefill", "decode")}
@@ -146,13 +136,10 @@ def build_discovery(config: RouterConfig, resolver: Resolver | None = None) -> D
     if config.discovery == "kubernetes":
         from runtime.router.kubernetes import KubeApi, KubernetesDiscovery
 
-        selectors: dict[Role, str] = {
-            "prefill": config.prefill_selector,
-            "decode": config.decode_selector,
-        }
-        return KubernetesDiscovery(
-            KubeApi(), config.namespace, selectors, interval=config.discovery_sync_s
-        )
+        selectors: dict[Role, str] = {"prefill": config.prefill_selector,
+                                      "decode": config.decode_selector}
+        return KubernetesDiscovery(KubeApi(), config.namespace, selectors,
+                                   interval=config.discovery_sync_s)
     static = StaticDiscovery(config.prefill, config.decode)
     names: dict[Role, DnsName] = {}
     if config.prefill_dns is not None:
@@ -164,9 +151,8 @@ def build_discovery(config: RouterConfig, resolver: Resolver | None = None) -> D
     return DnsDiscovery(names, static, config.dns_refresh_s, resolver or getaddrinfo_resolver)
 
 
-def create_app(
-    config: RouterConfig, discovery: Discovery | None = None, resolver: Resolver | None = None
-) -> FastAPI:
+def create_app(config: RouterConfig, discovery: Discovery | None = None,
+               resolver: Resolver | None = None) -> FastAPI:
     """The app; `discovery` (or a DNS `resolver`) can be injected by tests."""
     router = Router(config, discovery or build_discovery(config, resolver))
 

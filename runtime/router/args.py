@@ -27,9 +27,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="baton router", description="prefill/decode-aware gateway in front of baton workers"
-    )
+    p = argparse.ArgumentParser(prog="baton router",
+                                description="prefill/decode-aware gateway in front of baton workers")
     p.add_argument("--host", default=DEFAULT.host, help=f"(default: {DEFAULT.host})")
     p.add_argument("--port", type=_port, default=DEFAULT.port, help=f"(default: {DEFAULT.port})")
     _worker_flags(p)
@@ -38,108 +37,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="URL[,BOOTSTRAP_PORT]",
-        help=f"a prefill worker (repeatable; bootstrap port {DEFAULT_BOOTSTRAP_PORT} unless given)",
-    )
-    p.add_argument(
-        "--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)"
-    )
-    p.add_argument(
-        "--prefill-dns",
-        metavar="HOST:PORT:BOOTSTRAP_PORT",
-        help="every A/AAAA record of HOST is a prefill worker (re-resolved)",
-    )
-    p.add_argument(
-        "--decode-dns",
-        metavar="HOST:PORT",
-        help="every A/AAAA record of HOST is a decode worker (re-resolved)",
-    )
-    p.add_argument(
-        "--discovery",
-        choices=DISCOVERY_MODES,
-        default=DEFAULT.discovery,
-        help="where workers come from: the flags above, or the Kubernetes API "
-        f"(Ready pods by label selector) (default: {DEFAULT.discovery})",
-    )
-    p.add_argument(
-        "--prefill-selector",
-        default="",
-        metavar="K=V,...",
-        help="kubernetes: label selector of the prefill pods",
-    )
-    p.add_argument(
-        "--decode-selector",
-        default="",
-        metavar="K=V,...",
-        help="kubernetes: label selector of the decode pods",
-    )
-    p.add_argument(
-        "--namespace",
-        default=None,
-        help="kubernetes: the pods' namespace (default: the service account's, "
-        "else the kubeconfig context's)",
-    )
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,BOOTSTRAP_PORT]",
+                   help=f"a prefill worker (repeatable; bootstrap port {DEFAULT_BOOTSTRAP_PORT} "
+                   "unless given)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode worker (repeatable)")
+    p.add_argument("--prefill-dns", metavar="HOST:PORT:BOOTSTRAP_PORT",
+                   help="every A/AAAA record of HOST is a prefill worker (re-resolved)")
+    p.add_argument("--decode-dns", metavar="HOST:PORT",
+                   help="every A/AAAA record of HOST is a decode worker (re-resolved)")
+    p.add_argument("--discovery", choices=DISCOVERY_MODES, default=DEFAULT.discovery,
+                   help="where workers come from: the flags above, or the Kubernetes API "
+                   f"(Ready pods by label selector) (default: {DEFAULT.discovery})")
+    p.add_argument("--prefill-selector", default="", metavar="K=V,...",
+                   help="kubernetes: label selector of the prefill pods")
+    p.add_argument("--decode-selector", default="", metavar="K=V,...",
+                   help="kubernetes: label selector of the decode pods")
+    p.add_argument("--namespace", default=None,
+                   help="kubernetes: the pods' namespace (default: the service account's, "
+                   "else the kubeconfig context's)")
 
 
 def _tuning_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=DEFAULT.policy,
-        help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
-        "requests in flight | longest shared prompt prefix, else fewest in flight "
-        f"(default: {DEFAULT.policy})",
-    )
-    _seconds(
-        p,
-        "--request-timeout-s",
-        DEFAULT.request_timeout_s,
-        "longest a worker may stay silent during a request",
-    )
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy,
+                   help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
+                   "requests in flight | longest shared prompt prefix, else fewest in flight "
+                   f"(default: {DEFAULT.policy})")
+    _seconds(p, "--request-timeout-s", DEFAULT.request_timeout_s,
+             "longest a worker may stay silent during a request")
     _seconds(p, "--connect-timeout-s", DEFAULT.connect_timeout_s, "connecting to a worker")
     _seconds(p, "--abort-timeout-s", DEFAULT.abort_timeout_s, "a POST /abort to a worker")
     _seconds(p, "--health-interval-s", DEFAULT.health_interval_s, "between GET /ready polls")
     _seconds(p, "--health-timeout-s", DEFAULT.health_timeout_s, "one GET /ready poll")
-    p.add_argument(
-        "--health-failures",
-        type=_positive_int,
-        default=DEFAULT.health_failures,
-        help="polls in a row without an answer that take a worker out; an answer "
-        f"other than 200 or a refused connection does at once "
-        f"(default: {DEFAULT.health_failures})",
-    )
+    p.add_argument("--health-failures", type=_positive_int, default=DEFAULT.health_failures,
+                   help="polls in a row without an answer that take a worker out; an answer "
+                   f"other than 200 or a refused connection does at once "
+                   f"(default: {DEFAULT.health_failures})")
     _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
-    _seconds(
-        p,
-        "--shutdown-grace-s",
-        DEFAULT.shutdown_grace_s,
-        "on SIGTERM, requests in flight get this long to finish",
-    )
-    p.add_argument(
-        "--prefix-min-chars",
-        type=_positive_int,
-        default=DEFAULT.prefix_min_chars,
-        help="prefix policy: shortest shared prompt prefix that pins a prefill "
-        f"(default: {DEFAULT.prefix_min_chars})",
-    )
-    p.add_argument(
-        "--prefix-capacity",
-        type=_positive_int,
-        default=DEFAULT.prefix_capacity,
-        help="prefix policy: prompt-prefix blocks remembered, LRU "
-        f"(default: {DEFAULT.prefix_capacity})",
-    )
-    p.add_argument(
-        "--log-level",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        default=DEFAULT.log_level,
-        help=f"(default: {DEFAULT.log_level})",
-    )
+    _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
+             "on SIGTERM, requests in flight get this long to finish")
+    p.add_argument("--prefix-min-chars", type=_positive_int, default=DEFAULT.prefix_min_chars,
+                   help="prefix policy: shortest shared prompt prefix that pins a prefill "
+                   f"(default: {DEFAULT.prefix_min_chars})")
+    p.add_argument("--prefix-capacity", type=_positive_int, default=DEFAULT.prefix_capacity,
+                   help="prefix policy: prompt-prefix blocks remembered, LRU "
+                   f"(default: {DEFAULT.prefix_capacity})")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
+                   help=f"(default: {DEFAULT.log_level})")
 
 
 def parse_router_args(argv: list[str]) -> RouterConfig:
@@ -154,7 +98,8 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         parser.error(str(e))
     if ns.discovery == "kubernetes":
         _check_kubernetes_flags(parser, ns)
-    for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns), strict=True):
+    for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
+                                 strict=True):
         if ns.discovery == "kubernetes":
             continue
         if static and dns is not None:
@@ -162,38 +107,23 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         if not static and dns is None:
             parser.error(f"no {role} workers: give --{role} URL (repeatable) or --{role}-dns")
     return RouterConfig(
-        host=ns.host,
-        port=ns.port,
-        prefill=prefill,
-        decode=decode,
-        prefill_dns=prefill_dns,
-        decode_dns=decode_dns,
-        discovery=ns.discovery,
-        prefill_selector=ns.prefill_selector,
-        decode_selector=ns.decode_selector,
-        namespace=ns.namespace,
-        policy=ns.policy,
-        request_timeout_s=ns.request_timeout_s,
-        connect_timeout_s=ns.connect_timeout_s,
-        abort_timeout_s=ns.abort_timeout_s,
-        health_interval_s=ns.health_interval_s,
-        health_timeout_s=ns.health_timeout_s,
+        host=ns.host, port=ns.port, prefill=prefill, decode=decode, prefill_dns=prefill_dns,
+        decode_dns=decode_dns, discovery=ns.discovery, prefill_selector=ns.prefill_selector,
+        decode_selector=ns.decode_selector, namespace=ns.namespace, policy=ns.policy, request_timeout_s=ns.request_timeout_s,
+        connect_timeout_s=ns.connect_timeout_s, abort_timeout_s=ns.abort_timeout_s,
+        health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
-        dns_refresh_s=ns.dns_refresh_s,
-        shutdown_grace_s=ns.shutdown_grace_s,
+        dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
         prefix_min_chars=ns.prefix_min_chars,
-        prefix_capacity=ns.prefix_capacity,
-        log_level=ns.log_level,
+        prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
     )
 
 
 def _check_kubernetes_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     for role in ROLES:
         if getattr(ns, role) or getattr(ns, f"{role}_dns") is not None:
-            parser.error(
-                f"--discovery kubernetes finds the {role} workers itself: drop "
-                f"--{role} / --{role}-dns"
-            )
+            parser.error(f"--discovery kubernetes finds the {role} workers itself: drop "
+                         f"--{role} / --{role}-dns")
         selector = getattr(ns, f"{role}_selector")
         terms = [t.strip() for t in selector.split(",")]
         if not selector or not all(terms):
@@ -280,6 +210,5 @@ def _positive_float(text: str) -> float:
 
 
 def _seconds(p: argparse.ArgumentParser, flag: str, default: float, help_text: str) -> None:
-    p.add_argument(
-        flag, type=_positive_float, default=default, help=f"{help_text} (default: {default})"
-    )
+    p.add_argument(flag, type=_positive_float, default=default,
+                   help=f"{help_text} (default: {default})")

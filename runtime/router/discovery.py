@@ -68,13 +68,8 @@ class DnsDiscovery(Discovery):
     """Roles given as DNS names, re-resolved every `interval`; a role given as a static list
     keeps it (so `--prefill URL --decode-dns NAME` works too)."""
 
-    def __init__(
-        self,
-        names: dict[Role, DnsName],
-        static: StaticDiscovery,
-        interval: float,
-        resolver: Resolver = getaddrinfo_resolver,
-    ):
+    def __init__(self, names: dict[Role, DnsName], static: StaticDiscovery, interval: float,
+                 resolver: Resolver = getaddrinfo_resolver):
         self.names, self.static, self.interval = names, static, interval
         self.resolver = resolver
 
@@ -94,12 +89,8 @@ async def refresh(discovery: Discovery, workers: Workers) -> tuple[list[Worker],
         try:
             addresses = await discovery.discover(role)
         except (OSError, ValueError) as e:
-            log.warning(
-                "discovering %s workers failed (keeping %d known): %s",
-                role,
-                len(workers.pool(role)),
-                e,
-            )
+            log.warning("discovering %s workers failed (keeping %d known): %s",
+                        role, len(workers.pool(role)), e)
             continue
         joined, left = workers.pool(role).sync(addresses)
         for w in joined:

@@ -37,25 +37,14 @@ class UpstreamFailure(Exception):
         else:
             reason = "connect" if isinstance(exc, httpx.ConnectError) else "broken"
             status, what = 502, f"failed ({type(exc).__name__}: {exc})"
-        return cls(
-            side,
-            reason,
-            status,
-            error_body(f"{side} worker {url} {what}", "upstream_error", f"{side}_{reason}"),
-        )
+        return cls(side, reason, status, error_body(
+            f"{side} worker {url} {what}", "upstream_error", f"{side}_{reason}"))
 
     @classmethod
     def truncated(cls, side: str, url: str) -> UpstreamFailure:
-        return cls(
-            side,
-            "truncated",
-            502,
-            error_body(
-                f"{side} worker {url} ended its stream before data: [DONE]",
-                "upstream_error",
-                f"{side}_truncated",
-            ),
-        )
+        return cls(side, "truncated", 502, error_body(
+            f"{side} worker {url} ended its stream before data: [DONE]", "upstream_error",
+            f"{side}_truncated"))
 
     @classmethod
     def answered(cls, side: str, status: int, content: bytes) -> UpstreamFailure:
@@ -66,9 +55,8 @@ class UpstreamFailure(Exception):
             body = None
         if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
             text = content[:200].decode("utf-8", errors="replace")
-            body = error_body(
-                f"{side} worker answered {status}: {text}", "upstream_error", f"{side}_error"
-            )
+            body = error_body(f"{side} worker answered {status}: {text}", "upstream_error",
+                              f"{side}_error")
         return cls(side, "status", status, body)
 
     def response(self) -> JSONResponse:

@@ -38,9 +38,8 @@ class ClientGone(Exception):
     pass
 
 
-async def forward(
-    proxy: Proxy, request: Request, req: PDRequest, prefill: Worker, decode: Worker
-) -> Response:
+async def forward(proxy: Proxy, request: Request, req: PDRequest, prefill: Worker,
+                  decode: Worker) -> Response:
     """D's response to `req` for the client of `request` (see the module's failure rules)."""
     disconnect = proxy.spawn(_wait_disconnect(request))
     try:
@@ -142,9 +141,8 @@ class Exchange:
     async def _call_prefill(self) -> None:
         body = self.req.for_prefill(self.p)
         try:
-            r = await self.proxy.client.post(
-                f"{self.p.url}{self.req.endpoint}", json=body, timeout=self.proxy.timeout
-            )
+            r = await self.proxy.client.post(f"{self.p.url}{self.req.endpoint}", json=body,
+                                             timeout=self.proxy.timeout)
         except httpx.HTTPError as e:
             raise self.proxy.failed(self.p, e) from None
         if not r.is_success:
@@ -153,12 +151,8 @@ class Exchange:
     async def _open_decode(self) -> httpx.Response:
         """D's response with its headers in and its body still to read (a 2xx only)."""
         client = self.proxy.client
-        request = client.build_request(
-            "POST",
-            f"{self.d.url}{self.req.endpoint}",
-            json=self.req.for_decode(self.p),
-            timeout=self.proxy.timeout,
-        )
+        request = client.build_request("POST", f"{self.d.url}{self.req.endpoint}",
+                                       json=self.req.for_decode(self.p), timeout=self.proxy.timeout)
         try:
             self.upstream = r = await client.send(request, stream=True)
         except httpx.HTTPError as e:

@@ -23,15 +23,8 @@ log = logging.getLogger("baton.router")
 
 
 class HealthChecker:
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        workers: Workers,
-        metrics: RouterMetrics,
-        interval: float,
-        timeout: float,
-        failures: int = 1,
-    ):
+    def __init__(self, client: httpx.AsyncClient, workers: Workers, metrics: RouterMetrics,
+                 interval: float, timeout: float, failures: int = 1):
         self.client, self.workers, self.metrics = client, workers, metrics
         self.interval, self.timeout, self.failures = interval, timeout, failures
         self.unready: str | None = "starting"  # the reason last logged
@@ -74,13 +67,8 @@ class HealthChecker:
                 log.info("%s worker %s: no answer to GET /ready (%s)", worker.role, worker.url, why)
                 return
         if ready != worker.ready:
-            log.info(
-                "%s worker %s is %s (%s)",
-                worker.role,
-                worker.url,
-                "ready" if ready else "not ready",
-                "GET /ready 200" if ready else why,
-            )
+            log.info("%s worker %s is %s (%s)", worker.role, worker.url,
+                     "ready" if ready else "not ready", "GET /ready 200" if ready else why)
         worker.ready = ready
 
 

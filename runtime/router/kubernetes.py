@@ -49,13 +49,8 @@ class KubeApi:
         self.config = config
         verify: bool | str = bool(config.verify_ssl) and (config.ssl_ca_cert or True)
         cert = (config.cert_file, config.key_file) if config.cert_file and config.key_file else None
-        self.client = httpx.AsyncClient(
-            base_url=config.host,
-            verify=verify,
-            cert=cert,
-            trust_env=False,
-            timeout=httpx.Timeout(30.0),
-        )
+        self.client = httpx.AsyncClient(base_url=config.host, verify=verify, cert=cert,
+                                        trust_env=False, timeout=httpx.Timeout(30.0))
 
     def headers(self) -> dict[str, str]:
         """The bearer token, read again when the loader says it expired (projected service
@@ -70,14 +65,8 @@ class KubernetesDiscovery(Discovery):
     """Ready pods matching one label selector per role. `interval`: how often the router syncs
     its pools from what the watches saw (in memory; the API is not asked each time)."""
 
-    def __init__(
-        self,
-        api: KubeApi,
-        namespace: str | None,
-        selectors: Mapping[Role, str],
-        interval: float = 0.5,
-        retry_s: float = 2.0,
-    ) -> None:
+    def __init__(self, api: KubeApi, namespace: str | None, selectors: Mapping[Role, str],
+                 interval: float = 0.5, retry_s: float = 2.0) -> None:
         self.api, self.namespace = api, namespace or api.namespace
         self.selectors, self.interval, self.retry_s = dict(selectors), interval, retry_s
         self.pods: dict[Role, dict[str, dict[str, Any]] | None] = {role: None for role in ROLES}
@@ -85,10 +74,8 @@ class KubernetesDiscovery(Discovery):
     async def discover(self, role: Role) -> list[WorkerAddress]:
         pods = self.pods[role]
         if pods is None:
-            raise OSError(
-                f"no list of {role} pods yet ({self.selectors[role]!r} in "
-                f"namespace {self.namespace})"
-            )
+            raise OSError(f"no list of {role} pods yet ({self.selectors[role]!r} in "
+                          f"namespace {self.namespace})")
         found = (worker_address(role, pod) for _, pod in sorted(pods.items()))
         return [address for address in found if address is not None]
 
@@ -106,35 +93,24 @@ class KubernetesDiscovery(Discovery):
                 version = await self._list(role, path)
                 await self._watch(role, path, version)
             except (httpx.HTTPError, ValueError, KeyError) as e:
-                log.warning(
-                    "watching %s pods (%s) failed, listing again in %.0f s: %s",
-                    role,
-                    self.selectors[role],
-                    self.retry_s,
-                    e,
-                )
+                log.warning("watching %s pods (%s) failed, listing again in %.0f s: %s",
+                            role, self.selectors[role], self.retry_s, e)
                 await asyncio.sleep(self.retry_s)
 
     async def _list(self, role: Role, path: str) -> str:
         response = await self.api.client.get(
-            path, params={"labelSelector": self.selectors[role]}, headers=self.api.headers()
-        )
+            path, params={"labelSelector": self.selectors[role]}, headers=self.api.headers())
         response.raise_for_status()
         body = response.json()
         self.pods[role] = {pod["metadata"]["name"]: pod for pod in body.get("items") or []}
         return str((body.get("metadata") or {}).get("resourceVersion") or "")
 
     async def _watch(self, role: Role, path: str, version: str) -> None:
-        params = {
-            "labelSelector": self.selectors[role],
-            "watch": "true",
-            "resourceVersion": version,
-            "timeoutSeconds": str(WATCH_TIMEOUT_S),
-        }
+        params = {"labelSelector": self.selectors[role], "watch": "true",
+                  "resourceVersion": version, "timeoutSeconds": str(WATCH_TIMEOUT_S)}
         timeout = httpx.Timeout(30.0, read=WATCH_TIMEOUT_S + 30)
-        async with self.api.client.stream(
-            "GET", path, params=params, timeout=timeout, headers=self.api.headers()
-        ) as response:
+        async with self.api.client.stream("GET", path, params=params, timeout=timeout,
+                                          headers=self.api.headers()) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.strip():
@@ -156,19 +132,14 @@ def worker_address(role: Role, pod: Mapping[str, Any]) -> WorkerAddress | None:
     """The pod as a worker, or None while it is not one (not Ready, no IP, terminating, or
     no container port named "http")."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or [])
     ip = status.get("podIP")
     if not ready or not ip or meta.get("deletionTimestamp"):
         return None
-    ports = {
-        p.get("name"): int(p["containerPort"])
-        for c in (pod.get("spec") or {}).get("containers") or []
-        for p in c.get("ports") or []
-        if p.get("name") and p.get("containerPort")
-    }
+    ports = {p.get("name"): int(p["containerPort"])
+             for c in (pod.get("spec") or {}).get("containers") or []
+             for p in c.get("ports") or [] if p.get("name") and p.get("containerPort")}
     if "http" not in ports:
         log.debug("pod %s has no container port named http; not a worker", meta.get("name"))
         return None

@@ -31,13 +31,8 @@ class _Server(uvicorn.Server):
 
 def serve(config: RouterConfig) -> int:
     uv_config = uvicorn.Config(
-        app=create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=max(1, round(config.shutdown_grace_s)),
-        access_log=False,
-    )
+        app=create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=max(1, round(config.shutdown_grace_s)), access_log=False)
     log.info("router on http://%s:%d, policy %s", config.host, config.port, config.policy)
     server = _Server(uv_config)
     server.run()

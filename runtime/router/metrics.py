@@ -16,22 +16,7 @@ from prometheus_client import (
 from runtime.router.config import Role
 
 _LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )
 
 
@@ -41,39 +26,24 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "baton_router_requests",
-            "Client requests by endpoint and response status",
-            ["endpoint", "status"],
-            registry=r,
-        )
+            "baton_router_requests", "Client requests by endpoint and response status",
+            ["endpoint", "status"], registry=r)
         self.latency = Histogram(
             "baton_router_request_latency_seconds",
-            "End-to-end latency of generation requests (until the last byte)",
-            ["endpoint"],
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
+            "End-to-end latency of generation requests (until the last byte)", ["endpoint"],
+            registry=r, buckets=_LATENCY_BUCKETS)
         self.in_flight = Gauge(
-            "baton_router_worker_in_flight",
-            "Requests this router has in flight per worker",
-            ["role", "worker"],
-            registry=r,
-        )
+            "baton_router_worker_in_flight", "Requests this router has in flight per worker",
+            ["role", "worker"], registry=r)
         self.workers = Gauge(
-            "baton_router_workers", "Workers discovered per role", ["role"], registry=r
-        )
+            "baton_router_workers", "Workers discovered per role", ["role"], registry=r)
         self.ready_workers = Gauge(
-            "baton_router_ready_workers",
-            "Workers whose GET /ready is 200, per role",
-            ["role"],
-            registry=r,
-        )
+            "baton_router_ready_workers", "Workers whose GET /ready is 200, per role", ["role"],
+            registry=r)
         self.upstream_failures = Counter(
             "baton_router_upstream_failures",
-            "Failed calls to workers by side (prefill, decode) and reason",
-            ["side", "reason"],
-            registry=r,
-        )
+            "Failed calls to workers by side (prefill, decode) and reason", ["side", "reason"],
+            registry=r)
 
     def on_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -19,7 +19,7 @@ def block_hashes(text: str, block: int = BLOCK_CHARS) -> list[int]:
     """One hash per full block: entry k names text[: (k + 1) * block]."""
     hashes, h = [], 0
     for start in range(0, len(text) - block + 1, block):
-        h = hash((h, text[start : start + block]))
+        h = hash((h, text[start:start + block]))
         hashes.append(h)
     return hashes
 

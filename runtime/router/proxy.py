@@ -67,19 +67,19 @@ class Proxy:
 
     async def _abort(self, worker: Worker, rid: str) -> None:
         try:
-            r = await self.client.post(
-                f"{worker.url}/abort", json={"rid": rid}, timeout=self.config.abort_timeout_s
-            )
+            r = await self.client.post(f"{worker.url}/abort", json={"rid": rid},
+                                       timeout=self.config.abort_timeout_s)
             problem = None if r.is_success else f"status {r.status_code}"
         except httpx.HTTPError as e:
             problem = f"{type(e).__name__}: {e}"
         if problem is not None:
-            log.warning(
-                "abort of %s on %s worker %s failed: %s", rid, worker.role, worker.url, problem
-            )
+            log.warning("abort of %s on %s worker %s failed: %s", rid, worker.role, worker.url,
+                        problem)
             self.metrics.on_upstream_failure(worker.role, "abort")
 
     async def drain(self, timeout: float) -> None:
         """Let pending aborts go out before the process exits."""
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=timeout)
+
+

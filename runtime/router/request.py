@@ -31,10 +31,7 @@ GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completi
 ENDPOINTS = (GENERATE, COMPLETIONS, CHAT)
 MAX_CHOICES = 1024  # far above what a worker accepts (n <= 16, 16 prompts); bounds the rooms
 MODELS: dict[str, type[GenerateBody | CompletionRequest | ChatCompletionRequest]] = {
-    GENERATE: GenerateBody,
-    COMPLETIONS: CompletionRequest,
-    CHAT: ChatCompletionRequest,
-}
+    GENERATE: GenerateBody, COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
 
 
 @dataclass(frozen=True)
@@ -48,11 +45,8 @@ class PDRequest:
         return str(self.body["rid"])
 
     def for_decode(self, prefill: Worker) -> dict[str, Any]:
-        return {
-            **self.body,
-            "bootstrap_host": prefill.host,
-            "bootstrap_port": prefill.bootstrap_port,
-        }
+        return {**self.body, "bootstrap_host": prefill.host,
+                "bootstrap_port": prefill.bootstrap_port}
 
     def for_prefill(self, prefill: Worker) -> dict[str, Any]:
         body = self.for_decode(prefill)
@@ -115,7 +109,8 @@ def choice_count(endpoint: str, body: dict[str, Any]) -> int:
     n = _as_count(body.get("n", 1))
     prompts = _prompt_count(body.get("prompt")) if endpoint == COMPLETIONS else 1
     if n * prompts > MAX_CHOICES:
-        raise RouterError(400, f"{n * prompts} choices requested; at most {MAX_CHOICES}", param="n")
+        raise RouterError(400, f"{n * prompts} choices requested; at most {MAX_CHOICES}",
+                          param="n")
     return n * prompts
 
 

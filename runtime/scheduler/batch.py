@@ -88,9 +88,7 @@ class ScheduleBatch:
         slots = kv.grow_one_each(self.reqs)  # type: ignore[arg-type]
         resets = []
         for req in self.reqs:
-            if (
-                req.needs_penalty_reset
-            ):  # prebuilt (decode role): this step's input is its 1st token
+            if req.needs_penalty_reset:  # prebuilt (decode role): this step's input is its 1st token
                 assert req.req_pool_idx is not None
                 resets.append((req.req_pool_idx, req.origin_input_ids, req.output_ids[:-1]))
                 req.needs_penalty_reset = False
@@ -146,9 +144,7 @@ def build_sampling_info(
     if any(p.logit_bias for p in params):
         entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
         rows, tokens, biases = zip(*entries, strict=True)
-        info.logit_bias = (
-            torch.tensor(rows, dtype=torch.int64),
-            torch.tensor(tokens, dtype=torch.int64),
-            torch.tensor(biases, dtype=torch.float32),
-        )
+        info.logit_bias = (torch.tensor(rows, dtype=torch.int64),
+                           torch.tensor(tokens, dtype=torch.int64),
+                           torch.tensor(biases, dtype=torch.float32))
     return info

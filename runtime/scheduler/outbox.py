@@ -53,10 +53,8 @@ class Outbox:
             except zmq.Again:
                 self.check_parent()
                 if retries % WARN_EVERY == 0:
-                    log.warning(
-                        "the HTTP process has not taken a message for %.0f s; waiting",
-                        (retries + 1) * SEND_TIMEOUT_MS / 1000,
-                    )
+                    log.warning("the HTTP process has not taken a message for %.0f s; waiting",
+                                (retries + 1) * SEND_TIMEOUT_MS / 1000)
                 retries += 1
 
     def close(self) -> None:

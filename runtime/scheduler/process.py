@@ -108,9 +108,8 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
         while self.scheduler.has_work():
             self.scheduler.step()
-        self.role = build_role(
-            self.args, self.scheduler, self.runner.pool, self.runner.vocab_size, self.wakeup.wake
-        )
+        self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
+                               self.wakeup.wake)
         self.streamer.sender = self._send_outputs
         kv = self.runner.kv
         self._send(

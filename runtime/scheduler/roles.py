@@ -101,8 +101,7 @@ def build_role(
         from runtime.disagg.sender import KVSender
 
         prefill: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake
-        )
+            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake)
         scheduler.handoff = prefill
         prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill)
         prefill.ready = True
@@ -113,29 +112,11 @@ def build_role(
     from runtime.disagg.wire import PeerRegistration
 
     receiver = KVReceiver(args.host, transfer, wake)
-    me = PeerRegistration(
-        name,
-        advertise_host(args),
-        receiver.port,
-        asdict(transfer.layout),
-        transfer.name,
-        transfer.local_info(),
-    )
-    log.info(
-        "decode %s: KV receiver on %s:%d (%s)",
-        name,
-        me.receiver_host,
-        me.receiver_port,
-        transfer.name,
-    )
+    me = PeerRegistration(name, advertise_host(args), receiver.port, asdict(transfer.layout),
+                          transfer.name, transfer.local_info())
+    log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
+             transfer.name)
     decode: DecodeRole[Req] = DecodeRole(
-        scheduler,
-        scheduler.kv,
-        transfer,
-        PrefillClient(me, transfer),
-        receiver,
-        args.disagg,
-        wake,
-        vocab_size,
-    )
+        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer), receiver, args.disagg,
+        wake, vocab_size)
     return decode

@@ -85,11 +85,8 @@ class Scheduler:
             raise InvalidRequest(f"token ids must be in [0, {self.runner.vocab_size})", "input_ids")
         bias = req.sampling_params.logit_bias
         if bias and bias[-1][0] >= self.runner.vocab_size:  # sorted: the last id is the largest
-            raise InvalidRequest(
-                f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
-                f"[0, {self.runner.vocab_size})",
-                "logit_bias",
-            )
+            raise InvalidRequest(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
+                                 f"[0, {self.runner.vocab_size})", "logit_bias")
         need = min(n + req.sampling_params.max_new_tokens, self.runner.context_len)
         capacity = self.kv.allocator.num_pages * self.kv.page_size
         if need > capacity:
@@ -153,11 +150,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(
-            self.waiting
-            or self.running.reqs
-            or self.chunked_req
-            or self.pending
-            or self.last_extend
+            self.waiting or self.running.reqs or self.chunked_req or self.pending or self.last_extend
         )
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -186,16 +179,12 @@ class Scheduler:
         self._make_decode_room()
         self.peak_running = max(self.peak_running, len(self.running))
         self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
-        return self.running, self._with_identity(
-            self.running, self.running.prepare_for_decode(self.kv)
-        )
+        return self.running, self._with_identity(self.running, self.running.prepare_for_decode(self.kv))
 
     def _with_identity(self, batch: ScheduleBatch, fb: ForwardBatch) -> ForwardBatch:
         if self.runner.needs_request_ids:
             fb.sampling.rids_int = rids_to_tensor(r.rid for r in batch.reqs)
-            fb.sampling.bootstrap_room_ids_int = rooms_to_tensor(
-                r.bootstrap_room for r in batch.reqs
-            )
+            fb.sampling.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in batch.reqs)
         return fb
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
@@ -276,9 +265,7 @@ class Scheduler:
         handoff (prefill role: their KV goes to a decode server; it frees it)."""
         b, self.last_extend = self.last_extend, None
         if b is not None:
-            b.filter_batch(
-                [i for i, r in enumerate(b.reqs) if b.is_last_chunk[i] and not r.finished]
-            )
+            b.filter_batch([i for i, r in enumerate(b.reqs) if b.is_last_chunk[i] and not r.finished])
             if self.handoff is None:
                 self.running.merge_batch(b)
             else:

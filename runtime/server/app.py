@@ -66,13 +66,8 @@ def _watch_step(app: FastAPI, proc: ProcessHandle, waited: float) -> str | None:
             app.state.next_note += PROGRESS_EVERY_S
     elif tm.ready.is_set() and not app.state.announced:
         app.state.announced = True
-        log.info(
-            "ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
-            waited,
-            args.model_name,
-            args.host,
-            args.port,
-        )
+        log.info("ready in %.1f s: serving %r at http://%s:%d (OpenAI API under /v1)",
+                 waited, args.model_name, args.host, args.port)
     return None
 
 
@@ -104,9 +99,7 @@ def create_app(
 
 
 async def _client_gone(_: Request, __: Exception) -> Response:
-    return JSONResponse(
-        error_body("client closed the connection", "client_error", "client_gone"), 499
-    )
+    return JSONResponse(error_body("client closed the connection", "client_error", "client_gone"), 499)
 
 
 async def _stop_scheduler(tm: TokenizerManager, proc: ProcessHandle) -> None:
@@ -146,3 +139,4 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:
         return {**dataclasses.asdict(tm.stats), "inflight": len(tm.states)}
+

@@ -17,12 +17,7 @@ from typing import Any
 
 from runtime.config import DisaggConfig, ServerArgs
 
-ENV_FIELDS = (
-    "bootstrap_timeout_s",
-    "waiting_timeout_s",
-    "heartbeat_interval_s",
-    "heartbeat_misses",
-)
+ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -45,9 +40,7 @@ def _env_default(name: str, default: Any, tp: Any) -> Any:
     try:
         return tp(raw)
     except ValueError:
-        raise SystemExit(
-            f"baton serve: BATON_{name.upper()}={raw!r} is not a {tp.__name__}"
-        ) from None
+        raise SystemExit(f"baton serve: BATON_{name.upper()}={raw!r} is not a {tp.__name__}") from None
 
 
 def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
@@ -57,13 +50,9 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: An
     help_text = f"{f.metadata.get('help', '')} (default: {default})".strip()
     origin = typing.get_origin(tp)
     if tp is bool:
-        parser.add_argument(
-            flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-        )
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
     elif origin is typing.Literal:
-        parser.add_argument(
-            flag, choices=list(typing.get_args(tp)), default=default, help=help_text
-        )
+        parser.add_argument(flag, choices=list(typing.get_args(tp)), default=default, help=help_text)
     elif origin is tuple:
         parser.add_argument(flag, action="append", default=None, help=help_text)
     else:
@@ -73,11 +62,8 @@ def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: An
 def _sections() -> dict[str, type]:
     """ServerArgs' nested configs: field name -> dataclass."""
     hints = typing.get_type_hints(ServerArgs)
-    return {
-        f.name: hints[f.name]
-        for f in dataclasses.fields(ServerArgs)
-        if dataclasses.is_dataclass(hints[f.name])
-    }
+    return {f.name: hints[f.name] for f in dataclasses.fields(ServerArgs)
+            if dataclasses.is_dataclass(hints[f.name])}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,15 +100,8 @@ def _check(args: ServerArgs) -> list[str]:
     for obj, names in (
         (args, ("port", "max_body_bytes")),
         (args.engine, ("max_total_tokens", "page_size")),
-        (
-            args.scheduler,
-            (
-                "max_running_requests",
-                "chunked_prefill_size",
-                "stream_interval",
-                "forced_stream_interval",
-            ),
-        ),
+        (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
+                          "forced_stream_interval")),
         (args.disagg, ("bootstrap_port", "heartbeat_misses")),
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]

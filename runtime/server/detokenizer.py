@@ -16,9 +16,7 @@ _CONTEXT_TOKENS = 6  # left context so that a token's leading space / merge deco
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()
-    ):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1

@@ -54,11 +54,8 @@ async def drain(tm: TokenizerManager, grace_s: float) -> None:
     log.info("grace period over: aborting %d request(s)", len(tm.states))
     tm.abort_all(SHUTTING_DOWN)
     if not await _idle_within(tm, ABORT_WAIT_S):
-        log.warning(
-            "the scheduler has not ended %d aborted request(s) in %.0f s; ending them here",
-            len(tm.states),
-            ABORT_WAIT_S,
-        )
+        log.warning("the scheduler has not ended %d aborted request(s) in %.0f s; ending them "
+                    "here", len(tm.states), ABORT_WAIT_S)
         tm.end_all(SHUTTING_DOWN)
 
 

@@ -51,11 +51,7 @@ class Delta:
 
 class Generation:
     def __init__(
-        self,
-        tm: TokenizerManager,
-        req: GenerateRequest,
-        index: int,
-        timeout: float,
+        self, tm: TokenizerManager, req: GenerateRequest, index: int, timeout: float,
         group: str | None = None,
     ) -> None:
         sp = req.sampling_params

@@ -14,22 +14,7 @@ from prometheus_client import (
 from runtime.messages import DisaggStats, SchedulerStats
 
 _LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    30.0,
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
     60.0,
 )
 
@@ -42,17 +27,14 @@ class DisaggMetrics:
         self.transfers = Counter("baton_kv_transfers", "KV transfers completed", registry=r)
         self.bytes = Counter("baton_kv_transfer_bytes", "KV bytes transferred", registry=r)
         self.seconds = Histogram(
-            "baton_kv_transfer_seconds",
-            "Time to write one room's KV into the decode pool",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
+            "baton_kv_transfer_seconds", "Time to write one room's KV into the decode pool",
+            registry=r, buckets=_LATENCY_BUCKETS,
         )
         self.failures = Counter(
             "baton_kv_transfer_failures", "Rooms that failed, by reason", ["reason"], registry=r
         )
-        self.rooms = Gauge(
-            "baton_disagg_rooms", "Bootstrap rooms in flight by state", ["state"], registry=r
-        )
+        self.rooms = Gauge("baton_disagg_rooms", "Bootstrap rooms in flight by state", ["state"],
+                           registry=r)
 
     def update(self, stats: DisaggStats) -> None:
         self.transfers.inc(stats.transfers)
@@ -71,10 +53,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "baton_requests",
-            "Finished requests by status (stop, length, abort, rejected)",
-            ["status"],
-            registry=r,
+            "baton_requests", "Finished requests by status (stop, length, abort, rejected)",
+            ["status"], registry=r,
         )
         self.http_errors = Counter(
             "baton_http_errors", "Error responses by HTTP status", ["status"], registry=r
@@ -82,32 +62,20 @@ class Metrics:
         self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram(
-            "baton_time_to_first_token_seconds",
-            "Time to first token",
-            registry=r,
+            "baton_time_to_first_token_seconds", "Time to first token", registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
-            "baton_inter_token_latency_seconds",
-            "Time between output tokens",
-            registry=r,
+            "baton_inter_token_latency_seconds", "Time between output tokens", registry=r,
             buckets=_LATENCY_BUCKETS,
         )
         self.e2e = Histogram(
-            "baton_e2e_request_latency_seconds",
-            "Request latency",
-            registry=r,
+            "baton_e2e_request_latency_seconds", "Request latency", registry=r,
             buckets=_LATENCY_BUCKETS,
         )
-        self.queue_depth = Gauge(
-            "baton_queue_depth", "Requests waiting in the scheduler", registry=r
-        )
-        self.running = Gauge(
-            "baton_running_requests", "Requests running in the scheduler", registry=r
-        )
-        self.inflight = Gauge(
-            "baton_inflight_requests", "Requests the HTTP side awaits", registry=r
-        )
+        self.queue_depth = Gauge("baton_queue_depth", "Requests waiting in the scheduler", registry=r)
+        self.running = Gauge("baton_running_requests", "Requests running in the scheduler", registry=r)
+        self.inflight = Gauge("baton_inflight_requests", "Requests the HTTP side awaits", registry=r)
         self.kv_used = Gauge("baton_kv_used_tokens", "KV slots in use (page granular)", registry=r)
         self.kv_total = Gauge("baton_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
@@ -123,9 +91,7 @@ class Metrics:
         for _ in range(n):
             self.itl.observe(since_last / n)
 
-    def on_finish(
-        self, status: str, prompt_tokens: int, completion_tokens: int, e2e: float
-    ) -> None:
+    def on_finish(self, status: str, prompt_tokens: int, completion_tokens: int, e2e: float) -> None:
         self.requests.labels(status=status).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

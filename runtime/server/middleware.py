@@ -41,9 +41,8 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def _too_large(self) -> ApiError:
-        return ApiError(
-            413, f"request body is larger than {self.max_bytes} bytes", code="body_too_large"
-        )
+        return ApiError(413, f"request body is larger than {self.max_bytes} bytes",
+                        code="body_too_large")
 
 
 class ErrorGuard:

@@ -51,12 +51,8 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
     ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
     params = dict(body.sampling_params or {})
     params["max_new_tokens"] = tm.budget(
-        len(ids),
-        params.get("max_new_tokens"),
-        SamplingParams.max_new_tokens,
-        "sampling_params.max_new_tokens",
-        "text" if body.text is not None else "input_ids",
-    )
+        len(ids), params.get("max_new_tokens"), SamplingParams.max_new_tokens,
+        "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
     return GenerateRequest(
         rid=body.rid or uuid.uuid4().hex,
         input_ids=ids,

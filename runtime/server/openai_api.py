@@ -34,21 +34,13 @@ def _tm(request: Request) -> TokenizerManager:
 
 def check_model(tm: TokenizerManager, name: str) -> None:
     if name not in (tm.args.model_name, tm.args.model):
-        raise ApiError(
-            404,
-            f"model {name!r} does not exist; this server serves {tm.args.model_name!r}",
-            code="model_not_found",
-            param="model",
-        )
+        raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                       f"{tm.args.model_name!r}", code="model_not_found", param="model")
 
 
 def _requests(
-    tm: TokenizerManager,
-    body: SamplingFields,
-    prompts: list[list[int]],
-    max_new: int | None,
-    top_logprobs: int | None,
-    fields: tuple[str, str],
+    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
+    max_new: int | None, top_logprobs: int | None, fields: tuple[str, str],
 ) -> list[GenerateRequest]:
     """One scheduler request per choice; `fields` name the max-tokens field the client used
     and its prompt (for a context overflow's 400)."""
@@ -61,33 +53,20 @@ def _requests(
             params = body.sampling_params(budget, seed_offset=j)
             SamplingParams.from_dict(params)  # fail fast, naming the field
             i = p * body.n + j
-            reqs.append(
-                GenerateRequest(
-                    rid=f"{base}-{i}",
-                    input_ids=ids,
-                    sampling_params=params,
-                    stream=body.stream,
-                    return_logprob=top_logprobs is not None,
-                    top_logprobs_num=top_logprobs or 0,
-                    bootstrap_host=body.bootstrap_host,
-                    bootstrap_port=body.bootstrap_port,
-                    bootstrap_room=rooms[i],
-                )
-            )
+            reqs.append(GenerateRequest(
+                rid=f"{base}-{i}", input_ids=ids, sampling_params=params,
+                stream=body.stream, return_logprob=top_logprobs is not None,
+                top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
+                bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
+            ))
     return reqs
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     tm = _tm(request)
-    card = {
-        "id": tm.args.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "baton",
-        "root": tm.args.model,
-        "max_model_len": tm.info.context_len if tm.info else None,
-    }
+    card = {"id": tm.args.model_name, "object": "model", "created": 0, "owned_by": "baton",
+            "root": tm.args.model, "max_model_len": tm.info.context_len if tm.info else None}
     return {"object": "list", "data": [card]}
 
 
@@ -101,8 +80,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt_tokens = sum(len(p) for p in prompts)
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
-        request, start(tm, reqs, tm.args.request_timeout_s, group)
-    )
+        request, start(tm, reqs, tm.args.request_timeout_s, group))
     rid = f"cmpl-{group}"
     if body.stream:
         events = _completion_events(tm, body, gens, firsts, rid, prompt_tokens)
@@ -115,12 +93,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 
 async def _completion_events(
-    tm: TokenizerManager,
-    body: CompletionRequest,
-    gens: list[Generation],
-    firsts: list[Delta],
-    rid: str,
-    prompt_tokens: int,
+    tm: TokenizerManager, body: CompletionRequest, gens: list[Generation], firsts: list[Delta],
+    rid: str, prompt_tokens: int,
 ) -> AsyncIterator[str]:
     offsets = [0] * len(gens)
     last: dict[int, Delta] = {}
@@ -148,8 +122,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     reqs = _requests(tm, body, [ids], body.max_new_tokens, top, (asked, "messages"))
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
-        request, start(tm, reqs, tm.args.request_timeout_s, group)
-    )
+        request, start(tm, reqs, tm.args.request_timeout_s, group))
     rid = f"chatcmpl-{group}"
     if body.stream:
         return sse.sse_response(_chat_events(tm, body, gens, firsts, rid, len(ids)))
@@ -161,12 +134,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 async def _chat_events(
-    tm: TokenizerManager,
-    body: ChatCompletionRequest,
-    gens: list[Generation],
-    firsts: list[Delta],
-    rid: str,
-    prompt_tokens: int,
+    tm: TokenizerManager, body: ChatCompletionRequest, gens: list[Generation],
+    firsts: list[Delta], rid: str, prompt_tokens: int,
 ) -> AsyncIterator[str]:
     last: dict[int, Delta] = {}
     try:
@@ -183,10 +152,7 @@ async def _chat_events(
 
 
 def _stream_tail(
-    kind: str,
-    rid: str,
-    body: CompletionRequest | ChatCompletionRequest,
-    prompt_tokens: int,
+    kind: str, rid: str, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
     last: dict[int, Delta],
 ) -> list[str]:
     """The optional usage chunk (stream_options.include_usage), then `data: [DONE]`."""

@@ -23,13 +23,7 @@ def usage(prompt_tokens: int, deltas: list[Delta]) -> dict[str, int]:
 
 
 def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -76,12 +70,7 @@ def completion_logprobs(tokenizer: Any, d: Delta, offset: int) -> dict[str, Any]
     top = None
     if d.top_logprobs is not None:
         top = [{_token(tokenizer, tid): lp for tid, lp in row} for row in d.top_logprobs]
-    return {
-        "tokens": tokens,
-        "token_logprobs": d.logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    return {"tokens": tokens, "token_logprobs": d.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def _chat_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:

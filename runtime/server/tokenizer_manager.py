@@ -131,9 +131,8 @@ class TokenizerManager:
             raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def budget(
-        self, prompt_tokens: int, asked: int | None, default: int, field: str, prompt_field: str
-    ) -> int:
+    def budget(self, prompt_tokens: int, asked: int | None, default: int, field: str,
+               prompt_field: str) -> int:
         """max_new_tokens of a request: what it asked for, if the prompt and that fit the
         context (else a 400 with the numbers, as vLLM answers), or `default` clipped to what
         fits. `field` and `prompt_field` are the client's names for them."""
@@ -148,8 +147,7 @@ class TokenizerManager:
             raise InvalidRequest(
                 f"the prompt ({prompt_tokens} tokens) + {field} ({asked}) needs more KV than "
                 f"the pool holds ({capacity} tokens); lower {field} or raise --max-total-tokens",
-                field,
-            )
+                field)
         if asked is not None:
             return asked
         room = min(context, capacity) - prompt_tokens
@@ -245,9 +243,7 @@ class TokenizerManager:
             state.finished = True
             self._forget(state)
             status = str((out.finished_reason or {}).get("type", "abort"))
-            self.metrics.on_finish(
-                status, out.prompt_tokens, out.completion_tokens, now - state.created
-            )
+            self.metrics.on_finish(status, out.prompt_tokens, out.completion_tokens, now - state.created)
 
     def _refused(self, err: RequestError) -> None:
         state = self.states.get(err.rid)
@@ -266,3 +262,4 @@ class TokenizerManager:
         """Stop tracking a request (its outputs, if any still come, are dropped)."""
         self.states.pop(rid, None)
         self.metrics.inflight.set(len(self.states))
+

@@ -127,8 +127,7 @@ def create_transfer(name: str, pool: KVPool, agent_name: str) -> KVTransfer:
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise TransferError(
-            f"KV transfer {name!r} is not available here ({e}); use --kv-transfer tcp"
-        ) from e
+        raise TransferError(f"KV transfer {name!r} is not available here ({e}); "
+                            "use --kv-transfer tcp") from e
     backend: KVTransfer = getattr(mod, cls)(pool, agent_name)
     return backend

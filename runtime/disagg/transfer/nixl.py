@@ -70,9 +70,8 @@ class NixlTransfer(KVTransfer):
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
         self.mem, self.dev = _mem_type(pool)
-        self.agent = nixl_agent(
-            agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        )
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False,
+                                                              backends=["UCX"]))
         self._lock = threading.Lock()  # one caller into the agent at a time
         self.page_bytes = self.layout.page_bytes
         self.agent.register_memory([pool.buffer])
@@ -80,9 +79,8 @@ class NixlTransfer(KVTransfer):
         self.peers: dict[str, _Peer] = {}
         self._wake = threading.Event()
         self._closed = False
-        self._progress = threading.Thread(
-            target=self._progress_loop, name="nixl-progress", daemon=True
-        )
+        self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
+                                          daemon=True)
         self._progress.start()
 
     def _descs(self, addr: int, dev: int, starts: np.ndarray, pages: np.ndarray) -> np.ndarray:
@@ -95,20 +93,14 @@ class NixlTransfer(KVTransfer):
 
     def local_info(self) -> dict[str, Any]:
         metadata = self.agent.get_agent_metadata()
-        return {
-            "agent": self.agent_name,
-            "metadata": base64.b64encode(metadata).decode(),
-            "addr": self.addr,
-            "num_pages": self.pool.num_pages,
-            "mem": self.mem,
-            "dev": self.dev,
-        }
+        return {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode(),
+                "addr": self.addr, "num_pages": self.pool.num_pages, "mem": self.mem,
+                "dev": self.dev}
 
     def connect(self, peer_id: str, info: dict[str, Any]) -> None:
         try:
-            peer = _Peer(
-                "", int(info["addr"]), int(info["num_pages"]), str(info["mem"]), int(info["dev"])
-            )
+            peer = _Peer("", int(info["addr"]), int(info["num_pages"]), str(info["mem"]),
+                         int(info["dev"]))
             with self._lock:
                 peer.agent = self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
                 self.agent.make_connection(peer.agent)  # UCX wire-up now, not in the first WRITE

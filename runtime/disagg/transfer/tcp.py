@@ -51,13 +51,13 @@ def _advance(parts: list[memoryview], i: int, n: int) -> int:
 def send_views(sock: socket.socket, parts: list[memoryview]) -> None:
     i = 0
     while i < len(parts):
-        i = _advance(parts, i, sock.sendmsg(parts[i : i + IOV_MAX]))
+        i = _advance(parts, i, sock.sendmsg(parts[i:i + IOV_MAX]))
 
 
 def recv_views(sock: socket.socket, parts: list[memoryview]) -> None:
     i = 0
     while i < len(parts):
-        got = sock.recvmsg_into(parts[i : i + IOV_MAX])[0]
+        got = sock.recvmsg_into(parts[i:i + IOV_MAX])[0]
         if got == 0:
             raise LinkClosed("peer closed the link in the middle of a room's pages")
         i = _advance(parts, i, got)
@@ -94,9 +94,8 @@ class TcpTransfer(KVTransfer):
         n = len(frame.dst_pages)
         page_bytes = self.layout.page_bytes
         if frame.nbytes != n * page_bytes:
-            raise TransferError(
-                f"room {frame.room}: {frame.nbytes} bytes for {n} pages of {page_bytes} bytes"
-            )
+            raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
+                                f"{page_bytes} bytes")
         if n and not 0 <= min(frame.dst_pages) <= max(frame.dst_pages) < self.pool.num_pages:
             raise TransferError(f"room {frame.room}: page index out of range")
         if self.on_cpu:
