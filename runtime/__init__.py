@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
+    from runtime.offline import Engine
 
 __all__ = ["Engine"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from runtime.engine.engine import Engine
+        from runtime.offline import Engine
 
         return Engine
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -1,1 +1,1 @@
-
+"""The model runner (forward + sampling) the scheduler drives, with its sampler backends and penalties."""

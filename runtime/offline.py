@@ -1,7 +1,8 @@
 """Engine: the offline API. `Engine(model=..., **engine_args).generate(prompts, sampling_params)`.
 
 Runs the scheduler and model in this process. The serving layer runs the same Scheduler in its
-own process and feeds it over ZMQ; both produce the same tokens.
+own process and feeds it over ZMQ; both produce the same tokens. It sits above the scheduler it
+drives (DESIGN.md: scheduler -> engine), so it is not in engine/, which holds the ModelRunner.
 """
 
 from __future__ import annotations
