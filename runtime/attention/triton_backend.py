@@ -143,6 +143,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> list[int]:
+    """What both kernels take after their scalars: q's and out's row and head strides, the pool
+    layer view's page, token and head strides, the req->token table's row stride."""
+    return [q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), table.stride(0)]  # fmt: skip
+
+
 def paged_decode(
     pool: KVPool,
     layer: int,
@@ -158,29 +165,10 @@ def paged_decode(
     k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
     out = torch.empty_like(q)
     _decode_kernel[(b, pool.num_kv_heads)](
-        q,
-        k,
-        v,
-        out,
-        table,
-        req_idx,
-        seq_lens,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        table.stride(0),
-        PAGE=pool.page_size,
-        GROUP=group,
-        GROUP_P2=max(16, _pow2(group)),
-        D=d,
-        BLOCK=BLOCK_N,
+        q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table),
+        PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
         IEEE=pool.dtype == torch.float32,
-    )
+    )  # fmt: skip
     return out
 
 
@@ -203,31 +191,11 @@ def paged_extend(
     out = torch.empty_like(q)
     grid = (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M))
     _extend_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        table,
-        req_idx,
-        q_start,
-        ext_lens,
-        prefix_lens,
-        scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        table.stride(0),
-        PAGE=pool.page_size,
-        GROUP=h // pool.num_kv_heads,
-        D=d,
-        BLOCK_Q=BLOCK_M,
-        BLOCK=BLOCK_N,
+        q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
+        *_strides(q, out, k, table),
+        PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N,
         IEEE=pool.dtype == torch.float32,
-    )
+    )  # fmt: skip
     return out
 
 
