@@ -140,9 +140,8 @@ class Deployment:
                 for child in self.children:
                     self._check(http, child, time.monotonic() - began)
                 if time.monotonic() - began > timeout:
-                    late = [
-                        f"{c.name} ({c.not_ready})" for c in self.children if c.ready_after is None
-                    ]
+                    late = [f"{c.name} ({c.not_ready})" for c in self.children
+                            if c.ready_after is None]
                     raise TimeoutError(f"not ready after {timeout:.0f} s: {'; '.join(late)}")
                 time.sleep(0.5)
 

@@ -2,8 +2,9 @@
 
 One TCP link per decode server, opened on first use and reused; a transfer holds its link for
 the pages and the RoomDone that follows them (tcp backend), so a room's frames are never
-interleaved with another's; RoomFailed frames travel on it for every backend. A link that fails is dropped and the next transfer reconnects (a decode that
-restarted on the same address is found again).
+interleaved with another's; RoomFailed frames travel on it for every backend. A link that fails
+is dropped and the next transfer reconnects (a decode that restarted on the same address is
+found again).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ position s % page_size of page s // page_size, and a request's position i always
 Nothing may reallocate or resize the buffer while serving: transfer backends register it once
 and address it by page index. In host memory the buffer sits on transparent huge pages
 (`huge_page_zeros`): UCX's cma path copies a page run twice as fast into and out of it
-(bench/pd.py: 3.8 -> 7.5 GB/s for a 256-token prompt), since the kernel pins 2 MiB pages, not 4 KiB.
+(bench/pd.py: 3.8 -> 7.5 GB/s for a 256-token prompt), as the kernel pins 2 MiB pages, not
+4 KiB ones.
 """
 
 from __future__ import annotations

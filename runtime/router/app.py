@@ -82,10 +82,10 @@ class Router:
         await self.health.check(joined)  # newcomers serve as soon as they are ready
 
     def pick(self, prompt: str | None) -> tuple[Worker, Worker]:
-        reason = self.workers.unready_reason()
-        if reason is not None:
-            raise unavailable(reason)
-        return self.policy.pick(*self.workers.pairable(), prompt)
+        prefill, decode = self.workers.pairable()
+        if not (prefill and decode):
+            raise unavailable(self.workers.unready_reason() or "no ready pair of workers")
+        return self.policy.pick(prefill, decode, prompt)
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:

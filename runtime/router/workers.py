@@ -91,32 +91,20 @@ class Workers:
         """Why no request can be served now (None: it can)."""
         missing = [role for role in ROLES if not self.pool(role).ready()]
         if missing:
-            return (
-                f"no ready {' and no ready '.join(missing)} worker (known: "
-                f"{len(self.prefill)} prefill, {len(self.decode)} decode)"
-            )
+            return (f"no ready {' and no ready '.join(missing)} worker (known: "
+                    f"{len(self.prefill)} prefill, {len(self.decode)} decode)")
         if all(self.pairable()):
             return None
         p, d = self.prefill.ready()[0], self.decode.ready()[0]
-        return (
-            f"no ready prefill worker can send KV to a ready decode worker: prefill {p.url} "
-            f"vs decode {d.url}: {kv_difference(p.kv_transfer, d.kv_transfer)}"
-        )
+        return (f"no ready prefill worker can send KV to a ready decode worker: prefill {p.url} "
+                f"vs decode {d.url}: {kv_difference(p.kv_transfer, d.kv_transfer)}")
 
 
 def kv_difference(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """What differs between two workers' `kv_transfer` (backend, then the layout's fields)."""
     if a is None or b is None:
         return "one of them is not a prefill/decode server (its /ready shows no kv_transfer)"
-    diffs = (
-        [f"backend {a.get('backend')} vs {b.get('backend')}"]
-        if a.get("backend") != b.get("backend")
-        else []
-    )
-    la, lb = a.get("layout") or {}, b.get("layout") or {}
-    diffs += [
-        f"{k} {la.get(k)} vs {lb.get(k)}"
-        for k in dict.fromkeys([*la, *lb])
-        if la.get(k) != lb.get(k)
-    ]
-    return "KV " + "; ".join(diffs)
+    fa = {"backend": a.get("backend"), **(a.get("layout") or {})}
+    fb = {"backend": b.get("backend"), **(b.get("layout") or {})}
+    return "KV " + "; ".join(f"{k} {fa.get(k)} vs {fb.get(k)}" for k in dict.fromkeys([*fa, *fb])
+                             if fa.get(k) != fb.get(k))

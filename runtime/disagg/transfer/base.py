@@ -68,14 +68,8 @@ class KVTransfer(ABC):
         """Drop what `connect` set up (the peer is gone or re-registered)."""
 
     @abstractmethod
-    def write(
-        self,
-        peer_id: str,
-        link: socket.socket,
-        src_pages: list[int],
-        dst_pages: list[int],
-        aux: AuxRecord,
-    ) -> int:
+    def write(self, peer_id: str, link: socket.socket, src_pages: list[int], dst_pages: list[int],
+              aux: AuxRecord) -> int:
         """Copy src_pages into the peer's dst_pages and deliver `aux` behind them (the peer's
         `arrived(aux.room)` gives it once every page landed); block until written. `link` is
         the ordered prefill->decode link (used by backends that stream over it).

@@ -12,7 +12,7 @@ in every process with a connected peer, idle or not; on a 2-core host that made 
 slower per token. So the agent runs without it: the prefill progresses its WRITE by polling its
 state, and the decode progresses only while it expects KV (`expect(room)` until it arrived),
 from a small thread that polls notifications every PROGRESS_S and wakes the scheduler loop
-(`on_arrival`) when a room's arrive.
+(`on_arrival`) when a room's KV has arrived.
 Host memory (DRAM) on CPU, device memory (VRAM) where the pool is on a GPU.
 """
 
@@ -114,14 +114,8 @@ class NixlTransfer(KVTransfer):
             with self._lock:
                 self.agent.remove_remote_agent(peer.agent)
 
-    def write(
-        self,
-        peer_id: str,
-        link: socket.socket,
-        src_pages: list[int],
-        dst_pages: list[int],
-        aux: AuxRecord,
-    ) -> int:
+    def write(self, peer_id: str, link: socket.socket, src_pages: list[int], dst_pages: list[int],
+              aux: AuxRecord) -> int:
         if peer_id not in self.peers:
             raise TransferError(f"nixl: peer {peer_id} is not connected")
         peer, room, notif = self.peers[peer_id], aux.room, FRAMES.encode(aux)
@@ -133,12 +127,8 @@ class NixlTransfer(KVTransfer):
                 self.agent.send_notif(peer.agent, notif)
             return 0
         with self._lock:
-            local = self.agent.get_xfer_descs(
-                self._descs(self.addr, self.dev, src_at, pages), self.mem
-            )
-            remote = self.agent.get_xfer_descs(
-                self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem
-            )
+            local = self.agent.get_xfer_descs(self._descs(self.addr, self.dev, src_at, pages), self.mem)
+            remote = self.agent.get_xfer_descs(self._descs(peer.addr, peer.dev, dst_at, pages), peer.mem)
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer.agent, notif)
             state = self.agent.transfer(handle)
         try:

@@ -71,14 +71,8 @@ class TcpTransfer(KVTransfer):
         self.rows = pool.page_rows()  # [num_pages, page_bytes] uint8
         self.on_cpu = pool.device.type == "cpu"
 
-    def write(
-        self,
-        peer_id: str,
-        link: socket.socket,
-        src_pages: list[int],
-        dst_pages: list[int],
-        aux: AuxRecord,
-    ) -> int:
+    def write(self, peer_id: str, link: socket.socket, src_pages: list[int], dst_pages: list[int],
+              aux: AuxRecord) -> int:
         nbytes = len(src_pages) * self.layout.page_bytes
         send_frame(link, PagesFrame(aux.room, dst_pages, nbytes))
         if self.on_cpu:
