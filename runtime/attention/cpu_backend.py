@@ -48,7 +48,7 @@ class CpuAttention(TorchAttention):
             return
         self.decode_batch: ForwardBatch | None = batch  # for the torch path, if a layer needs it
         self.out_loc = self.pool.locate(batch.out_cache_loc)
-        self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)  # [B]
+        self.seq_lens = batch.seq_lens_t  # [B]
         # [B, max_len] slot of every position of every request (rows are contiguous copies)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, : max(batch.seq_lens)]
         self.row_table = self.pool.row_offsets(self.slot_table)  # [B, max_len], every layer

@@ -17,7 +17,6 @@ from runtime.forward_batch import ForwardBatch
 class TorchAttention(AttentionBackend):
     def begin(self, batch: ForwardBatch) -> None:
         self.out_loc = self.pool.locate(batch.out_cache_loc)  # where every layer writes
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
         max_len = max(batch.seq_lens)
         # [B, L] slot of every position of every request (stale past each request's length)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, :max_len]
@@ -26,10 +25,11 @@ class TorchAttention(AttentionBackend):
             # [B * P] page of every page-start position; past a request's end: stale, masked
             self.page_ids = (self.slot_table[:, ::ps] // ps).reshape(-1)
             padded = self.slot_table[:, ::ps].shape[1] * ps
-            valid = torch.arange(padded)[None, :] < seq_lens[:, None]  # [B, P * ps]
+            positions = torch.arange(padded, device=self.pool.device)
+            valid = positions[None, :] < batch.seq_lens_t[:, None]  # [B, P * ps]
             # [B, 1, 1, P * ps] boolean mask: True = may attend
             self.decode_mask = valid[:, None, None, :]
-            self.uniform = bool(valid.all())
+            self.uniform = all(n == padded for n in batch.seq_lens)  # no mask needed
         else:
             self.extend_offsets = [0]
             for n in batch.extend_lens:
@@ -72,7 +72,7 @@ class TorchAttention(AttentionBackend):
             else:
                 ki, vi = self.pool.read(layer, self.pool.locate(self.slot_table[i, : prefix + n]))
                 # query j (absolute position prefix + j) sees keys 0..prefix + j
-                mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(diagonal=prefix)
+                mask = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
                 causal = False
             out = F.scaled_dot_product_attention(
                 qi,

@@ -218,17 +218,13 @@ class TritonAttention(AttentionBackend):
         return cls(pool, req_to_token, scale)
 
     def begin(self, batch: ForwardBatch) -> None:
-        dev = self.pool.device
         self.out_loc = self.pool.locate(batch.out_cache_loc)
-        self.req_idx = batch.req_pool_indices.to(dev)
-        self.seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
+        self.req_idx = batch.req_pool_indices
+        self.seq_lens = batch.seq_lens_t
         if batch.mode == "extend":
-            starts = [0]
-            for n in batch.extend_lens[:-1]:
-                starts.append(starts[-1] + n)
-            self.q_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-            self.ext_lens = torch.tensor(batch.extend_lens, dtype=torch.int64, device=dev)
-            self.prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev)
+            self.ext_lens = batch.extend_lens_t
+            self.q_start = self.ext_lens.cumsum(0) - self.ext_lens  # [B] first new token's row
+            self.prefix_lens = self.seq_lens - self.ext_lens
             self.max_extend = max(batch.extend_lens)
 
     def forward(

@@ -55,6 +55,7 @@ class ModelRunner:
         self.model_path: Path = resolve_model_path(config.model)
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
         self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
@@ -71,7 +72,7 @@ class ModelRunner:
         )
         self.sampler = create_sampler_backend(config.sampler_backend, mc.vocab_size)
         self.needs_request_ids = self.sampler.needs_request_ids
-        self.penalties = PenaltyState(max_running_requests, mc.vocab_size)
+        self.penalties = PenaltyState(max_running_requests, mc.vocab_size, self.device)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
         log.info(
             "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s, attention %s",
@@ -86,12 +87,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run `batch` (built on the host; staged here if it is not yet). On a GPU nothing in
+        here waits for the device: the results' copy to the host is started, not awaited."""
+        batch = batch.to(self.device)
+        self.kv.req_to_token.apply(batch.table_writes)
         rows = None
         if batch.mode == "extend":
-            rows = torch.tensor(batch.extend_lens).cumsum(0) - 1  # last new token of each request
+            rows = batch.extend_lens_t.cumsum(0) - 1  # last new token of each request
         logits = self.model.forward(batch, self.attn, rows)  # [B, vocab]
         info = batch.sampling
-        if info.penalty_resets:
+        if info.penalty_resets is not None:
             self.penalties.reset(info.penalty_resets)
         sample_logits = logits
         if info.need_penalties:
@@ -100,9 +105,7 @@ class ModelRunner:
             sample_logits = self.penalties.apply(logits, batch.req_pool_indices, info)
         if info.logit_bias is not None:
             rows, tokens, biases = info.logit_bias
-            biases = biases.to(sample_logits.device, sample_logits.dtype)
-            where = (rows.to(sample_logits.device), tokens.to(sample_logits.device))
-            sample_logits = sample_logits.index_put(where, biases, accumulate=True)
+            sample_logits = sample_logits.index_put((rows, tokens), biases, accumulate=True)
         out = self.sampler.sample(sample_logits, info)
         result = ForwardOutput(out.next_token_ids, customized_info=out.customized_info)
         if batch.return_logprob:
@@ -111,4 +114,4 @@ class ModelRunner:
             if batch.top_logprobs_num:
                 values, ids = logprobs.topk(batch.top_logprobs_num, dim=-1)
                 result.top_logprobs = (values, ids)
-        return result
+        return result.start_host_copy()

@@ -9,35 +9,33 @@ from __future__ import annotations
 
 import torch
 
-from runtime.forward_batch import SamplingBatchInfo
+from runtime.forward_batch import PenaltyResets, SamplingBatchInfo
 
 
 class PenaltyState:
-    def __init__(self, max_reqs: int, vocab_size: int) -> None:
+    def __init__(self, max_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.max_reqs = max_reqs
         self.vocab_size = vocab_size
+        self.device = device
         self.seen: torch.Tensor | None = None  # [max_reqs, V] bool: prompt + output tokens
         self.counts: torch.Tensor | None = None  # [max_reqs, V] int32: output tokens
 
     def _ensure(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.seen is None or self.counts is None:
             shape = (self.max_reqs, self.vocab_size)
-            self.seen = torch.zeros(shape, dtype=torch.bool)
-            self.counts = torch.zeros(shape, dtype=torch.int32)
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
         return self.seen, self.counts
 
-    def reset(self, resets: list[tuple[int, list[int], list[int]]]) -> None:
-        """Start rows afresh: (row, prompt tokens, output tokens so far)."""
+    def reset(self, resets: PenaltyResets) -> None:
+        """Start rows afresh from the tokens each has seen so far (see PenaltyResets)."""
         seen, counts = self._ensure()
-        for row, prompt, output in resets:
-            seen[row].zero_()
-            counts[row].zero_()
-            if prompt or output:
-                seen[row, torch.tensor(prompt + output, dtype=torch.int64)] = True
-            if output:
-                counts[row].index_add_(
-                    0, torch.tensor(output, dtype=torch.int64), torch.ones(len(output), dtype=torch.int32)
-                )
+        rows, seen_rows, seen_tokens, count_rows, count_tokens = resets
+        seen[rows] = False
+        counts[rows] = 0
+        seen[seen_rows, seen_tokens] = True
+        ones = torch.ones_like(count_rows, dtype=torch.int32)
+        counts.index_put_((count_rows, count_tokens), ones, accumulate=True)
 
     def accumulate(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each row's newest output token (decode input_ids, already resolved)."""

@@ -66,7 +66,7 @@ class TorchSampler(SamplerBackend):
         probs = torch.softmax(logits / temps, dim=-1)  # [B, V]
         candidates, ids = self._candidates(probs, info)  # sorted desc when truncating
         if info.need_top_k:
-            ranks = torch.arange(candidates.shape[1]).unsqueeze(0)
+            ranks = torch.arange(candidates.shape[1], device=logits.device).unsqueeze(0)
             candidates = candidates.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
         if info.need_top_p:
             before = candidates.cumsum(dim=-1) - candidates  # mass strictly above each candidate
@@ -85,7 +85,7 @@ class TorchSampler(SamplerBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (probs, their token ids) — sorted descending when top-k/top-p need ranks."""
         if info.need_top_k and not info.need_top_p:
-            k = int(info.top_ks.max())
+            k = info.max_top_k
             if k < probs.shape[1]:
                 values, ids = probs.topk(k, dim=-1)
                 return values, ids

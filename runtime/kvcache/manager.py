@@ -1,7 +1,8 @@
 """KVCacheManager: gives requests KV slots page by page and takes them back.
 
 The scheduler's only entry into KV bookkeeping. It writes the req->token table so the attention
-backend can find every position's slot; it never touches the KV buffers themselves.
+backend can find every position's slot (on a GPU the next forward carries the writes: see
+ReqToTokenPool); it never touches the KV buffers themselves. Everything here is host work.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class KVCacheManager:
         pos = torch.arange(start, new_len, dtype=torch.int64)
         pages = torch.tensor(req.kv_pages, dtype=torch.int64)
         slots = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-        self.req_to_token.table[req.req_pool_idx, start:new_len] = slots
+        self.req_to_token.write(torch.full_like(pos, req.req_pool_idx), pos, slots)
         req.kv_len = new_len
         return slots
 
@@ -60,7 +61,7 @@ class KVCacheManager:
             cols.append(pos)
             r.kv_len = pos + 1
         out = torch.tensor(slots, dtype=torch.int64)
-        self.req_to_token.table[rows, cols] = out
+        self.req_to_token.write(torch.tensor(rows), torch.tensor(cols), out)
         return out
 
     def release(self, req: KVHolder) -> None:

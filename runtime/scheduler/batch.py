@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from runtime.forward_batch import ForwardBatch, ForwardMode, PenaltyResets, SamplingBatchInfo
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.req import Req
 
@@ -77,7 +77,7 @@ class ScheduleBatch:
             if last and req.sampling_params.uses_penalties:
                 assert req.req_pool_idx is not None
                 resets.append((req.req_pool_idx, req.origin_input_ids, list(req.output_ids)))
-        return self._forward_batch(torch.cat(positions), torch.cat(slots), self.extend_lens, resets)
+        return self._forward_batch(kv, torch.cat(positions), torch.cat(slots), self.extend_lens, resets)
 
     def prepare_for_decode(self, kv: KVCacheManager) -> ForwardBatch:
         """One new token per request: the one input_ids carries from the last forward."""
@@ -92,10 +92,11 @@ class ScheduleBatch:
                 assert req.req_pool_idx is not None
                 resets.append((req.req_pool_idx, req.origin_input_ids, req.output_ids[:-1]))
                 req.needs_penalty_reset = False
-        return self._forward_batch(positions, slots, [1] * len(self.reqs), resets)
+        return self._forward_batch(kv, positions, slots, [1] * len(self.reqs), resets)
 
     def _forward_batch(
         self,
+        kv: KVCacheManager,
         positions: torch.Tensor,
         slots: torch.Tensor,
         extend_lens: list[int],
@@ -103,17 +104,21 @@ class ScheduleBatch:
     ) -> ForwardBatch:
         assert self.input_ids is not None
         reqs = self.reqs
+        seq_lens = [r.kv_len for r in reqs]
         return ForwardBatch(
             mode=self.mode,
             input_ids=self.input_ids,
             positions=positions,
             out_cache_loc=slots,
             req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-            seq_lens=[r.kv_len for r in reqs],
+            seq_lens=seq_lens,
             extend_lens=list(extend_lens),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64),
+            extend_lens_t=torch.tensor(extend_lens, dtype=torch.int64),
             sampling=build_sampling_info(reqs, resets),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+            table_writes=kv.req_to_token.take_writes(),
         )
 
 
@@ -123,10 +128,11 @@ def build_sampling_info(
     params = [r.sampling_params for r in reqs]
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
     vocab_cap = 1 << 30  # "no top-k": larger than any vocabulary
+    top_ks = [p.top_k if p.top_k > 0 else vocab_cap for p in params]
     info = SamplingBatchInfo(
         temperatures=torch.tensor(temps, dtype=torch.float32),
         top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_cap for p in params]),
+        top_ks=torch.tensor(top_ks, dtype=torch.int64),
         min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
         # the sampled token lands right after the last cached position
@@ -135,12 +141,13 @@ def build_sampling_info(
         need_top_k=any(p.top_k > 0 for p in params),
         need_top_p=any(p.top_p < 1.0 for p in params),
         need_min_p=any(p.min_p > 0.0 for p in params),
-        penalty_resets=resets,
+        max_top_k=max(top_ks),
+        penalty_resets=penalty_resets(resets) if resets else None,
     )
     if any(p.uses_penalties for p in params):
-        info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params])
-        info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params])
-        info.presence_penalties = torch.tensor([p.presence_penalty for p in params])
+        info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        info.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
     if any(p.logit_bias for p in params):
         entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
         rows, tokens, biases = zip(*entries, strict=True)
@@ -148,3 +155,16 @@ def build_sampling_info(
                            torch.tensor(tokens, dtype=torch.int64),
                            torch.tensor(biases, dtype=torch.float32))
     return info
+
+
+def penalty_resets(resets: list[tuple[int, list[int], list[int]]]) -> PenaltyResets:
+    """(row, prompt tokens, output tokens so far) per request, as PenaltyResets tensors."""
+    seen = [(row, t) for row, prompt, output in resets for t in (*prompt, *output)]
+    counted = [(row, t) for row, _, output in resets for t in output]
+
+    def pairs(rows_tokens: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.tensor(rows_tokens, dtype=torch.int64).view(-1, 2)
+        return both[:, 0], both[:, 1]
+
+    rows = torch.tensor([row for row, _, _ in resets], dtype=torch.int64)
+    return (rows, *pairs(seen), *pairs(counted))

@@ -5,6 +5,9 @@ sign as meaning, STYLE.md): slot i of the map will hold row i's next token once 
 Step N+1 is scheduled meanwhile; right before it runs (on the forward thread, after step N),
 `resolve_future` swaps every negative id for the stored token. Index 0 is never handed out, so
 every placeholder is strictly negative and every real token id is >= 0.
+
+The slots live on the forward's device, so the token bridge never leaves it: `store` and
+`resolve_future` are device work queued on the forward thread, with no host sync.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import torch
 
 
 class FutureMap:
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, device: torch.device | str = "cpu") -> None:
         # Two batches are in flight at most; a ring of 4x the widest batch never laps itself.
         self.size = 4 * max_batch + 1
-        self.tokens = torch.zeros(self.size, dtype=torch.int64)  # [size] slot -> token id
+        self.tokens = torch.zeros(self.size, dtype=torch.int64, device=device)  # [size] slot -> token
         self._next = 1
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Reserve n consecutive slots; returns their indices ([n] int64, all >= 1)."""
+        """Reserve n consecutive slots; returns their indices ([n] int64 on the host, all >= 1)."""
         if n > self.size - 1:
             raise ValueError(f"batch of {n} exceeds the future map ({self.size - 1} slots)")
         if self._next + n > self.size:
@@ -30,11 +33,11 @@ class FutureMap:
         return idx
 
     def store(self, indices: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.tokens[indices] = tokens
+        """tokens [n] (on the map's device) into the n consecutive slots `indices` from alloc."""
+        first = int(indices[0])  # a host tensor: no device sync
+        self.tokens[first : first + len(indices)] = tokens
 
     def resolve_future(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Return input_ids with each -index placeholder replaced by the token stored at index."""
-        placeholders = input_ids < 0
-        if not bool(placeholders.any()):
-            return input_ids
-        return torch.where(placeholders, self.tokens[(-input_ids).clamp(min=0)], input_ids)
+        """input_ids (on the map's device) with each -index placeholder replaced by the token
+        stored at index. Real ids pass through; no host sync, whatever the mix."""
+        return torch.where(input_ids < 0, self.tokens[(-input_ids).clamp(min=0)], input_ids)

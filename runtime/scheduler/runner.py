@@ -7,12 +7,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.req import Req
 
 
 class Runner(Protocol):
+    device: torch.device  # where forwards run; ForwardBatch.to(device) stages a batch there
     kv: KVCacheManager
     context_len: int
     eos_token_ids: tuple[int, ...]

@@ -3,7 +3,8 @@
 The loop reads in a breath — `step()`: schedule → launch the forward → process the previous
 result. With overlap on, the forward of step N runs on a worker thread while step N+1 is
 scheduled; step N+1's tokens come from N through FutureMap placeholders in `input_ids`.
-The scheduler never calls a device: it hands ForwardBatches to the runner.
+The scheduler works on the host: it builds ForwardBatches there and hands them to the runner,
+whose device work (and, in overlap mode, the FutureMap's) is queued on the forward thread.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Scheduler:
         self.pending: Launched | None = None  # overlap: the step launched but not processed
         self.new_token_ratio = config.new_token_ratio
         self.prefill_budget = config.chunked_prefill_size  # tokens per prefill step
-        self.future_map = FutureMap(config.max_running_requests)
+        self.future_map = FutureMap(config.max_running_requests, runner.device)
         self.worker = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
         )
@@ -191,7 +192,7 @@ class Scheduler:
         self.launched_forwards += 1
         if self.worker is None:
             out = self.runner.forward_batch(fb)
-            batch.input_ids = out.next_token_ids
+            batch.input_ids = out.on_host().next_token_ids  # the next step is built from it anyway
             result: Future[ForwardOutput] = Future()
             result.set_result(out)
         else:
@@ -203,13 +204,14 @@ class Scheduler:
 
     def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
         """Runs on the forward thread, strictly after the previous step's forward."""
+        fb = fb.to(self.runner.device)
         fb.input_ids = self.future_map.resolve_future(fb.input_ids)
         out = self.runner.forward_batch(fb)
         self.future_map.store(future_indices, out.next_token_ids)
         return out
 
     def process(self, done: Launched) -> list[Req]:
-        out = done.result.result(timeout=FORWARD_TIMEOUT_S)
+        out = done.result.result(timeout=FORWARD_TIMEOUT_S).on_host()  # the step's one wait
         self.finished_forwards += 1
         ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None

@@ -57,6 +57,8 @@ def decode_setup(
         req_pool_indices=torch.tensor([h.req_pool_idx for h in holders]),
         seq_lens=list(seq_lens),
         extend_lens=[1] * b,
+        seq_lens_t=torch.tensor(seq_lens),
+        extend_lens_t=torch.ones(b, dtype=torch.int64),
         sampling=None,  # type: ignore[arg-type]
     )
     q = torch.randn(b, heads, head_dim, generator=g)

@@ -42,6 +42,7 @@ class FakeRunner:
         self.kv = KVCacheManager(
             PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, context_len)
         )
+        self.device = torch.device("cpu")
         self.context_len = context_len
         self.vocab_size = VOCAB
         self.eos_token_ids: tuple[int, ...] = ()
