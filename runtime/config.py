@@ -100,6 +100,12 @@ class EngineConfig:
     )
     page_size: int = 16
     max_total_tokens: int = field(default=32768, metadata=_help("KV pool size in tokens"))
+    mem_fraction_static: float | None = field(default=None, metadata=_help(
+        "GPU: size the KV pool so weights + pool take this fraction of GPU memory (e.g. 0.85), "
+        "instead of --max-total-tokens"))
+    cuda_graph_max_bs: int = field(default=256, metadata=_help(
+        "GPU: decode batches up to this size replay captured CUDA graphs"))
+    disable_cuda_graph: bool = field(default=False, metadata=_help("GPU: run every decode step eagerly"))
     context_length: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
 

@@ -20,6 +20,10 @@ class BackendUnavailable(RuntimeError):
 
 
 class AttentionBackend(ABC):
+    # True: for a fixed batch size a decode forward keeps every shape and pointer, whatever the
+    # sequence lengths, so it can be captured in a CUDA graph (runtime/engine/cuda_graph.py).
+    cuda_graph_safe = False
+
     def __init__(self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> None:
         self.pool = pool
         self.req_to_token = req_to_token

@@ -200,6 +200,8 @@ def paged_extend(
 
 
 class TritonAttention(AttentionBackend):
+    cuda_graph_safe = True  # decode reads lengths and rows from tensors; its grid is (B, KV heads)
+
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> TritonAttention:
         if triton is None:

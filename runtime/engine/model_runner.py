@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from runtime.attention.registry import create_attention_backend
 from runtime.config import EngineConfig, ModelConfig
+from runtime.engine.cuda_graph import DecodeGraphs, Graph
+from runtime.engine.memory import kv_pages, out_of_memory
 from runtime.engine.penalty import PenaltyState
 from runtime.engine.sampler import create_sampler_backend
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
-from runtime.kvcache.pool import KVPool
+from runtime.kvcache.pool import KVPool, page_nbytes
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.models.linear import use_onednn
 from runtime.models.llama import LlamaModel
@@ -58,15 +61,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
-        self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
-        num_pages = max(1, config.max_total_tokens // config.page_size)
-        self.pool = KVPool(
-            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, config.device
-        )
-        self.kv = KVCacheManager(
-            PageAllocator(num_pages, config.page_size),
-            ReqToTokenPool(max_running_requests, self.context_len, config.device),
-        )
+        try:
+            self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
+        except torch.OutOfMemoryError as e:
+            raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
+        self.pool, self.kv = self._kv_cache(max_running_requests)
         self.attn = create_attention_backend(
             config.attention_backend, self.pool, self.kv.req_to_token, mc.head_dim**-0.5
         )
@@ -74,12 +73,42 @@ class ModelRunner:
         self.needs_request_ids = self.sampler.needs_request_ids
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size, self.device)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            if self.attn.cuda_graph_safe:
+                self.graphs = self.decode_graphs(min(config.cuda_graph_max_bs, max_running_requests))
+            else:
+                log.info("decode graphs: off (%s cannot be captured; --attention-backend triton "
+                         "can)", type(self.attn).__name__)
         log.info(
-            "model %s: %d layers, KV pool %d tokens (%.0f MiB), dtype %s, matmuls %s, attention %s",
-            self.model_path, mc.num_layers, self.pool.num_slots,
-            self.pool.num_slots * self.pool.bytes_per_slot / 2**20, self.dtype,
+            "model %s: %d layers, dtype %s on %s, matmuls %s, attention %s",
+            self.model_path, mc.num_layers, self.dtype, self.device,
             "oneDNN" if onednn else "torch", type(self.attn).__name__,
         )
+
+    def _kv_cache(self, max_running_requests: int) -> tuple[KVPool, KVCacheManager]:
+        config, mc = self.config, self.model_config
+        shape = (mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim)
+        num_pages, sized_by = kv_pages(
+            self.device, config.max_total_tokens, config.mem_fraction_static, config.page_size,
+            page_nbytes(*shape, self.dtype),
+        )
+        try:  # one page more than the allocator hands out: decode graphs pad into it
+            pool = KVPool(mc.num_layers, num_pages + 1, config.page_size, mc.num_kv_heads, mc.head_dim,
+                          self.dtype, self.device)
+            table = ReqToTokenPool(max_running_requests, self.context_len, self.device)
+        except torch.OutOfMemoryError as e:
+            raise out_of_memory(f"a KV pool of {num_pages * config.page_size} tokens", e) from None
+        log.info("KV pool: %d tokens (%.0f MiB) from %s", num_pages * config.page_size,
+                 pool.num_pages * pool.page_bytes / 2**20, sized_by)
+        return pool, KVCacheManager(PageAllocator(num_pages, config.page_size), table)
+
+    def decode_graphs(
+        self, max_bs: int, capture: Callable[[Callable[[], None]], Graph] | None = None
+    ) -> DecodeGraphs:
+        """Decode graphs for batches up to max_bs (capture: see DecodeGraphs; None: CUDA)."""
+        return DecodeGraphs(self.model, self.attn, self.pool, self.kv.req_to_token,
+                            self.kv.allocator.num_pages, self.vocab_size, max_bs, capture)
 
     @property
     def vocab_size(self) -> int:
@@ -94,7 +123,10 @@ class ModelRunner:
         rows = None
         if batch.mode == "extend":
             rows = batch.extend_lens_t.cumsum(0) - 1  # last new token of each request
-        logits = self.model.forward(batch, self.attn, rows)  # [B, vocab]
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.replay(batch)  # [B, vocab]
+        else:
+            logits = self.model.forward(batch, self.attn, rows)  # [B, vocab]
         info = batch.sampling
         if info.penalty_resets is not None:
             self.penalties.reset(info.penalty_resets)

@@ -88,6 +88,11 @@ class KVPool:
         return self.page_bytes // self.page_size
 
 
+def page_nbytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page (K and V of every layer) before a pool exists: for sizing one."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
 HUGE_PAGE = 2 << 20
 
 

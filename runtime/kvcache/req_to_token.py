@@ -15,8 +15,10 @@ class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
-        # [max_reqs, max_context] int64: KV slot of each position; stale beyond a request's length
-        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        # [max_reqs + 1, max_context] int64: KV slot of each position; stale beyond a request's
+        # length. The last row is never handed out: padding rows of a decode graph use it.
+        self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int64, device=device)
+        self.scratch_row = max_reqs
         self.deferred = self.table.device.type != "cpu"  # writes wait for the next forward
         self._writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, cols, slots)
         self._free = list(range(max_reqs - 1, -1, -1))

@@ -105,6 +105,12 @@ def _check(args: ServerArgs) -> list[str]:
         (args.disagg, ("bootstrap_port", "heartbeat_misses")),
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
+    fraction = args.engine.mem_fraction_static
+    if fraction is not None and not 0.0 < fraction < 1.0:
+        problems.append(f"--mem-fraction-static must be in (0, 1), got {fraction}")
+    if fraction is not None and not args.engine.device.startswith("cuda"):
+        problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
+                        "(on the CPU, --max-total-tokens sets the pool)")
     if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0:
         problems.append("--request-timeout-s must be > 0 and --shutdown-grace-s >= 0")
     d: DisaggConfig = args.disagg

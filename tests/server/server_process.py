@@ -17,6 +17,8 @@ from runtime.lifecycle import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 BATON = Path(sys.executable).parent / "baton"
+# Where the project is not installed (the lent GPU machine runs it from PYTHONPATH): the module.
+BATON_CMD = [str(BATON)] if BATON.exists() else [sys.executable, "-m", "runtime.cli"]
 MODEL = "builtin:smollm2-135m"
 START_TIMEOUT_S = 180.0
 
@@ -42,9 +44,10 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false", **(env or {}))
-        cmd = [str(BATON), "serve", "--model", model, "--host", "127.0.0.1",
+        cmd = [*BATON_CMD, "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--max-total-tokens", "4096", *extra_args]
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,

@@ -39,8 +39,17 @@ def test_cli_contract_flags() -> None:
     assert args.scheduler.max_running_requests == 4
 
 
-@pytest.mark.parametrize("argv", [["--role", "router"], ["--port", "0"], ["--stream-interval", "0"]])
+@pytest.mark.parametrize("argv", [
+    ["--role", "router"], ["--port", "0"], ["--stream-interval", "0"],
+    ["--device", "cuda", "--mem-fraction-static", "1.2"],
+    ["--mem-fraction-static", "0.8"],  # the CPU pool is sized by --max-total-tokens
+])
 def test_bad_values_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse_server_args(argv)
     assert e.value.code == 2
+
+
+def test_mem_fraction_static_is_a_gpu_flag() -> None:
+    args = parse_server_args(["--device", "cuda", "--mem-fraction-static", "0.85"])
+    assert args.engine.mem_fraction_static == 0.85

@@ -1,0 +1,32 @@
+"""Smoke test of bench/gpu.py on the CPU (--smoke: a 2-layer shape, tiny workloads): the script
+runs end to end and reports both systems, the decode step and its bound. Speed is measured only
+on the lent GPU (README, issue #10)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.models.prepare import is_prepared, prepared_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not is_prepared(prepared_dir("smollm2-135m")),
+                                reason="builtin model not prepared")
+
+
+def test_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    shape = report["shapes"]["smoke"]
+    assert set(shape["workloads"]) == {"prefill-heavy", "decode-heavy"}
+    for row in shape["workloads"].values():
+        assert row["baton"] > 0 and row["hf_static"] > 0 and row["ratio"] > 0
+    assert shape["decode_step_ms"] > 0 and shape["weight_read_bound_ms"] > 0
+    assert "baton / HF" in proc.stdout and "weight-read bound" in proc.stdout

@@ -1,0 +1,48 @@
+"""GPU tests: marked `gpu`, skipped without CUDA. On the lent machine, with `.whl/` carried
+(gpu/prepare.sh fills it here):  bash gpu/run.sh python3 -m pytest -q -m gpu tests/gpu
+
+The builtin model cannot travel there, so the model is the builtin's config and tokenizer with
+random-initialised weights, written there (token equality with HF holds for any weights)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CARRIED = REPO / ".whl" / "model"  # config.json + tokenizer files, from gpu/prepare.sh
+FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "chat_template.jinja", "special_tokens_map.json")
+
+
+def model_files() -> Path:
+    if (CARRIED / "config.json").exists():
+        return CARRIED
+    from runtime.models.prepare import resolve_model_path
+
+    return resolve_model_path("builtin:smollm2-135m")
+
+
+def random_llama(dest: Path, dtype: torch.dtype, seed: int = 0, **shape: int) -> Path:
+    """The builtin model's architecture (or `shape` overrides) with random weights, in `dest`."""
+    import transformers
+
+    src = model_files()
+    config = transformers.AutoConfig.from_pretrained(src, **shape)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(dest)
+    for name in FILES:
+        if (src / name).exists() and not (dest / name).exists():
+            shutil.copy(src / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return random_llama(tmp_path_factory.mktemp("gpu-model"), torch.float32)

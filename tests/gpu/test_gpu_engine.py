@@ -1,0 +1,120 @@
+"""On a GPU: greedy output equals HF transformers' token for token (float32; bf16 for the first
+16 tokens), with each attention backend, with and without decode graphs, overlap on; the step
+loop reads nothing back from the device but the sampled tokens; the KV pool sizes from memory."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime import Engine
+from tests.engine.hf_reference import PROMPTS, Reference, compare
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MAX_NEW = 32
+
+
+def hf_greedy_cuda(path: Path, prompts: list[list[int]], dtype: torch.dtype, n: int) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda")
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=2)
+            top2 = [step[0].float().topk(2).values for step in out.logits]
+            refs.append(Reference(ids=out.sequences[0, len(ids):].tolist(),
+                                  gaps=[float(t[0] - t[1]) for t in top2]))
+    del model
+    torch.cuda.empty_cache()
+    return refs
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(gpu_model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gpu_model)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def refs_fp32(gpu_model: Path, prompt_ids: list[list[int]]) -> list[Reference]:
+    return hf_greedy_cuda(gpu_model, prompt_ids, torch.float32, MAX_NEW)
+
+
+def run(model: Path, prompt_ids: list[list[int]], refs: list[Reference], n: int, **args: Any) -> Engine:
+    engine = Engine(model=str(model), device="cuda", enable_overlap=True, **args)
+    try:
+        results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": n})
+        notes = []
+        for r, ref in zip(results, refs, strict=True):
+            ref_n = Reference(ref.ids[:n], ref.gaps[:n])
+            notes.append(compare(r["output_ids"][:n], ref_n))
+        for note in filter(None, notes):
+            warnings.warn(f"{args}: {note}", stacklevel=1)
+        assert sum(x is not None for x in notes) <= 1, notes
+        assert engine.runner.kv.is_all_free()
+    finally:
+        engine.shutdown()
+    return engine
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("attention", ["triton", "torch"])
+def test_float32_greedy_matches_hf(gpu_model: Path, prompt_ids: list[list[int]],
+                                   refs_fp32: list[Reference], attention: str, graphs: bool) -> None:
+    engine = run(gpu_model, prompt_ids, refs_fp32, MAX_NEW, dtype="float32",
+                 attention_backend=attention, disable_cuda_graph=not graphs)
+    captured = engine.runner.graphs is not None
+    assert captured == (graphs and attention == "triton")  # torch attention cannot be captured
+
+
+@pytest.mark.parametrize("attention", ["triton", "torch"])
+def test_bfloat16_first_16_tokens_match_hf(gpu_model: Path, prompt_ids: list[list[int]],
+                                           tmp_path: Path, attention: str) -> None:
+    from tests.gpu.conftest import random_llama
+
+    model = random_llama(tmp_path / "bf16", torch.bfloat16)
+    refs = hf_greedy_cuda(model, prompt_ids, torch.bfloat16, 16)
+    run(model, prompt_ids, refs, 16, dtype="bfloat16", attention_backend=attention)
+
+
+def test_the_step_loop_never_syncs(gpu_model: Path, prompt_ids: list[list[int]]) -> None:
+    """CUDA's own sync detector, on the thread that runs the forwards (overlap off: the main
+    thread), for a whole generation with sampling, penalties and logprobs: only the event wait
+    for each step's results may block."""
+    engine = Engine(model=str(gpu_model), device="cuda", enable_overlap=False,
+                    attention_backend="triton")
+    try:
+        engine.generate(prompt_ids[:2], {"temperature": 0, "max_new_tokens": 4})  # warm-up
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.generate(prompt_ids, {"temperature": 0.7, "top_k": 20, "top_p": 0.9,
+                                         "repetition_penalty": 1.1, "max_new_tokens": 8})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        engine.shutdown()
+
+
+def test_kv_pool_from_mem_fraction_and_a_clear_out_of_memory(gpu_model: Path) -> None:
+    from runtime.engine.memory import NoRoomForKV
+
+    engine = Engine(model=str(gpu_model), device="cuda", mem_fraction_static=0.5)
+    try:
+        total = torch.cuda.mem_get_info()[1]
+        pool_bytes = engine.runner.pool.num_pages * engine.runner.pool.page_bytes
+        assert 0.2 * total < pool_bytes < 0.5 * total
+    finally:
+        engine.shutdown()
+    with pytest.raises(NoRoomForKV, match="lower --mem-fraction-static or --max-total-tokens"):
+        Engine(model=str(gpu_model), device="cuda", max_total_tokens=10**10)
