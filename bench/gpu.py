@@ -13,7 +13,8 @@ Workloads (token ids drawn from a fixed seed, so every run sees the same prompts
 Systems (greedy, exactly max_new tokens per prompt):
   hf_static  `model.generate(cache_implementation="static")`, consecutive batches of 64, left
              padding, min_new_tokens = max_new_tokens, after one warm-up batch
-  baton      `Engine.generate` (triton attention, decode graphs, overlap), after a warm-up
+  baton      `Engine.generate` (decode graphs, overlap), after a warm-up: with triton attention,
+             and with flashinfer's where it is installed (eager decode: no graphs yet)
 Batch-1 decode step: one 32-token prompt, the time per token of 129 new tokens minus 1, against
 the weight-read bound = weight bytes / the device's copy bandwidth (bytes read plus bytes written
 by a 1 GiB device-to-device copy, per second): a decode step must read every weight once.
@@ -120,12 +121,12 @@ def hf_static(path: Path, work: list[list[int]], new: int, dtype: torch.dtype, d
     return len(work) * new / seconds
 
 
-def baton_engine(path: Path, device: str, dtype: str, smoke: bool) -> Any:
+def baton_engine(path: Path, device: str, dtype: str, smoke: bool, attention: str) -> Any:
     from runtime import Engine
 
     memory: dict[str, Any] = ({"max_total_tokens": 8192} if smoke else {"mem_fraction_static": 0.8})
     return Engine(model=str(path), device=device, dtype=dtype, max_running_requests=256,
-                  chunked_prefill_size=16384, **memory)
+                  chunked_prefill_size=16384, attention_backend=attention, **memory)
 
 
 def baton(engine: Any, work: list[list[int]], new: int, device: str) -> float:
@@ -174,39 +175,54 @@ def weight_bytes(path: Path) -> int:
     return total
 
 
+def baton_runs(path: Path, device: str, smoke: bool, attention: str, vocab: int) -> dict[str, Any]:
+    engine = baton_engine(path, device, "float32" if smoke else "bfloat16", smoke, attention)
+    out: dict[str, Any] = {"tok_s": {}, "attention": type(engine.runner.attn).__name__,
+                           "decode_graphs": engine.runner.graphs is not None}
+    try:
+        for wname, (n, lo, hi, new) in (SMOKE_WORKLOADS if smoke else WORKLOADS).items():
+            out["tok_s"][wname] = baton(engine, prompts(n, lo, hi, vocab), new, device)
+            print(f"  baton ({attention}) {wname}: {out['tok_s'][wname]:.0f} tok/s", flush=True)
+        out["decode_step_ms"] = decode_step_ms(engine, vocab, device, 8 if smoke else 128)
+    finally:
+        engine.shutdown()
+    return out
+
+
 def bench_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     device, smoke = ("cpu", True) if args.smoke else ("cuda", False)
     dtype = torch.float32 if smoke else torch.bfloat16
     path = write_model(workdir / name, SHAPES[name], dtype)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    out: dict[str, Any] = {"workloads": {}}
-    engine = baton_engine(path, device, "float32" if smoke else "bfloat16", smoke)
-    try:
-        for wname, (n, lo, hi, new) in (SMOKE_WORKLOADS if smoke else WORKLOADS).items():
-            work = prompts(n, lo, hi, vocab)
-            ours = baton(engine, work, new, device)
-            out["workloads"][wname] = {"baton": ours, "prompts": n, "new_tokens": new}
-            print(f"{name} {wname}: baton {ours:.0f} tok/s", flush=True)
-        step_new = 8 if smoke else 128
-        out["decode_step_ms"] = decode_step_ms(engine, vocab, device, step_new)
-    finally:
-        engine.shutdown()
+    print(f"{name}:", flush=True)
+    attentions = ["auto"] if smoke else ["triton", *(["flashinfer"] if has_flashinfer() else [])]
+    out: dict[str, Any] = {"baton": {a: baton_runs(path, device, smoke, a, vocab) for a in attentions}}
+    out["hf_static"] = {}
     for wname, (n, lo, hi, new) in (SMOKE_WORKLOADS if smoke else WORKLOADS).items():
-        theirs = hf_static(path, prompts(n, lo, hi, vocab), new, dtype, device)
+        out["hf_static"][wname] = hf_static(path, prompts(n, lo, hi, vocab), new, dtype, device)
         if device == "cuda":
             torch.cuda.empty_cache()  # the HF model's memory
-        row = out["workloads"][wname]
-        row.update(hf_static=theirs, ratio=row["baton"] / theirs)
-        print(f"{name} {wname}: HF static {theirs:.0f} tok/s, baton / HF {row['ratio']:.1f}x", flush=True)
+        ratios = {a: run["tok_s"][wname] / out["hf_static"][wname] for a, run in out["baton"].items()}
+        print(f"  HF static {wname}: {out['hf_static'][wname]:.0f} tok/s; baton / HF: "
+              + ", ".join(f"{r:.1f}x ({a})" for a, r in ratios.items()), flush=True)
     out["weight_bytes"] = weight_bytes(path)
     out["copy_bandwidth_gbs"] = copy_bandwidth(device) / 1e9
     out["weight_read_bound_ms"] = out["weight_bytes"] / (out["copy_bandwidth_gbs"] * 1e9) * 1000
-    out["decode_step_over_bound"] = out["decode_step_ms"] / out["weight_read_bound_ms"]
-    print(f"{name} batch-1 decode step {out['decode_step_ms']:.3f} ms, weight-read bound "
-          f"{out['weight_read_bound_ms']:.3f} ms ({out['weight_bytes'] / 1e9:.2f} GB at "
-          f"{out['copy_bandwidth_gbs']:.0f} GB/s): {out['decode_step_over_bound']:.2f}x", flush=True)
+    for a, run in out["baton"].items():
+        run["decode_step_over_bound"] = run["decode_step_ms"] / out["weight_read_bound_ms"]
+        print(f"  batch-1 decode step ({a}) {run['decode_step_ms']:.3f} ms; weight-read bound "
+              f"{out['weight_read_bound_ms']:.3f} ms ({out['weight_bytes'] / 1e9:.2f} GB at "
+              f"{out['copy_bandwidth_gbs']:.0f} GB/s): {run['decode_step_over_bound']:.2f}x", flush=True)
     shutil.rmtree(path, ignore_errors=True)
     return out
+
+
+def has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 Registered: "torch" (plain torch, any device), "cpu" (torch plus a native decode kernel, float32
 on CPU), "triton" (paged Triton kernels, CUDA; on CPU only under TRITON_INTERPRET=1, for tests),
-"flashinfer" (CUDA, not implemented yet). "auto" (the default) picks "cpu" for a CPU pool and
+"flashinfer" (CUDA, float16/bfloat16). "auto" (the default) picks "cpu" for a CPU pool and
 "triton" for a CUDA pool when each can be used there, else "torch". A factory is "module:callable" taking
 (pool, req_to_token, scale), so CUDA-only modules are never imported on the CPU path.
 """
@@ -22,8 +22,8 @@ _REGISTRY: dict[str, str] = {
     "torch": "runtime.attention.torch_backend:TorchAttention",
     "cpu": "runtime.attention.cpu_backend:CpuAttention.create",
     "triton": "runtime.attention.triton_backend:TritonAttention.create",
+    "flashinfer": "runtime.attention.flashinfer_backend:FlashInferAttention.create",
 }
-_NOT_YET = ("flashinfer",)
 _AUTO = {"cpu": "cpu", "cuda": "triton"}  # device type -> what "auto" tries before "torch"
 
 
@@ -43,12 +43,8 @@ def create_attention_backend(
             except BackendUnavailable as e:
                 log.info("attention: %s; using 'torch'", e)
         return _create("torch", pool, req_to_token, scale)
-    if name in _NOT_YET and name not in _REGISTRY:
-        raise NotImplementedError(
-            f"attention backend {name!r} needs CUDA and is not implemented yet; use 'torch'"
-        )
     if name not in _REGISTRY:
-        known = sorted([*_REGISTRY, *_NOT_YET, "auto"])
+        known = sorted([*_REGISTRY, "auto"])
         raise ValueError(f"unknown attention backend {name!r}; known: {known}")
     return _create(name, pool, req_to_token, scale)
 

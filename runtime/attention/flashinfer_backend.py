@@ -1,0 +1,128 @@
+"""flashinfer attention: its paged decode and prefill wrappers over our KV pool, planned per forward.
+
+flashinfer reads a paged cache through a page table: per request, the indices of its pages in
+order (`indptr` into one flat `indices`) and how many slots of its last page are used. Our pool
+is page-major with every layer in one buffer; one layer's K (or V) is a strided view
+[num_pages, page_size, kv_heads, head_dim] whose page stride spans all layers, which flashinfer
+takes as it is (it reads strides, flashinfer 0.7 page.cuh). The page table comes from what we
+have already: `indptr` and `last_page_len` from the host's sequence lengths (flashinfer's plan()
+wants them on the host), the page indices gathered on the device from the req->token table
+(slot // page_size of each page's first position), so planning never waits for the device.
+The new tokens' K/V are written to the pool first, as in the other backends; prefill is causal
+over each request's cached prefix and its new tokens.
+
+flashinfer has no float32 kernels: a float32 pool is BackendUnavailable (use triton or bf16).
+Decode graphs would need plan() outside the graph before each replay; not yet: this backend runs
+its decode steps eagerly (cuda_graph_safe stays False).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runtime.attention.base import AttentionBackend, BackendUnavailable
+from runtime.forward_batch import ForwardBatch
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+WORKSPACE_BYTES = 128 << 20
+GROUPS_WITHOUT_TENSOR_CORES = (1, 2, 3, 4, 6, 8, 16)  # flashinfer's CUDA-core decode kernels
+
+
+def page_counts(seq_lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Host side of the page table: indptr [B + 1] and last_page_len [B] (int32, on the host),
+    and the total number of pages."""
+    pages = [-(-n // page_size) for n in seq_lens]
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(pages, dtype=torch.int32).cumsum(0)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(seq_lens, pages, strict=True)],
+                        dtype=torch.int32)
+    return indptr, last, int(indptr[-1])
+
+
+def page_indices(
+    table: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor, page_size: int, total: int
+) -> torch.Tensor:
+    """Device side: the pages of each request in order, flat ([total] int32, on the table's
+    device). `total` (the host's count) sizes the output, so nothing is read back."""
+    pages = (seq_lens + page_size - 1) // page_size  # [B]
+    owner = torch.repeat_interleave(torch.arange(len(pages), device=table.device), pages,
+                                    output_size=total)  # [total] request of each page
+    first = torch.cumsum(pages, 0) - pages  # [B] where each request's pages start
+    nth = torch.arange(total, device=table.device) - first[owner]  # [total] page number within
+    slots = table[req_idx[owner], nth * page_size]  # the slot of each page's first position
+    return (slots // page_size).to(torch.int32)
+
+
+class FlashInferAttention(AttentionBackend):
+    @classmethod
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> FlashInferAttention:
+        try:
+            import flashinfer
+        except ImportError:
+            raise BackendUnavailable(
+                "flashinfer attention: the flashinfer package is not installed "
+                "(pip install 'baton[cuda]')"
+            ) from None
+        if pool.device.type != "cuda":
+            raise BackendUnavailable(f"flashinfer attention needs a CUDA pool, not {pool.device}")
+        if pool.dtype not in (torch.float16, torch.bfloat16):
+            raise BackendUnavailable(
+                f"flashinfer attention has no {pool.dtype} kernels: use --dtype bfloat16, or "
+                "--attention-backend triton"
+            )
+        return cls(pool, req_to_token, scale, flashinfer)
+
+    def __init__(self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, flashinfer: Any) -> None:
+        super().__init__(pool, req_to_token, scale)
+        self.flashinfer = flashinfer
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode: Any = None  # made at the first decode: its kernels depend on the GQA group
+        self.batch: ForwardBatch | None = None  # begun, not yet planned
+        self.planned: Any = None  # torch.cuda.Event after the last plan's copies
+
+    def begin(self, batch: ForwardBatch) -> None:
+        """Where the new tokens go; the plan waits for the first layer, which knows the number
+        of query heads."""
+        self.out_loc = self.pool.locate(batch.out_cache_loc)
+        self.batch = batch
+
+    def _plan(self, batch: ForwardBatch, num_heads: int) -> None:
+        pool = self.pool
+        indptr, last, total = page_counts(batch.seq_lens, pool.page_size)
+        indices = page_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens_t,
+                               pool.page_size, total)
+        args = (num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
+        common = {"q_data_type": pool.dtype, "kv_data_type": pool.dtype, "sm_scale": self.scale}
+        # NOTE: plan() stages its metadata in one pinned host buffer and copies it asynchronously;
+        # the next plan must not overwrite it before that copy ran (the CPU may run a forward
+        # ahead in overlap mode), so it waits for the previous plan's event (passed long since,
+        # in practice).
+        if self.planned is not None:
+            self.planned.synchronize()
+        if batch.mode == "decode":
+            if self.decode is None:
+                tensor_cores = num_heads // pool.num_kv_heads not in GROUPS_WITHOUT_TENSOR_CORES
+                self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=tensor_cores)
+            self.decode.plan(indptr, indices, last, *args, **common)
+        else:
+            qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
+            self.prefill.plan(qo_indptr, indptr, indices, last, *args, causal=True, **common)
+        self.planned = torch.cuda.Event()
+        self.planned.record()
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.out_loc, k, v)
+        if self.batch is not None:  # the first layer of this forward
+            self._plan(self.batch, q.shape[1])
+            self.batch = None
+        wrapper = self.decode if batch.mode == "decode" else self.prefill
+        out = wrapper.run(q.contiguous(), self.pool.pages(layer))  # (K, V) strided layer views
+        return out.view(out.shape[0], -1)
