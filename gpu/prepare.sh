@@ -5,12 +5,13 @@
 #   triton and transformers, not these; ENVIRONMENT.md "GPU machine"), at this venv's versions;
 # - .whl/model: the builtin model's config and tokenizer (its weights cannot travel; the GPU
 #   tests and bench/gpu.py write random-initialised ones there).
-# flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here.
+# flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here;
+# ENVIRONMENT.md "GPU machine" has the two-call recipe for flashinfer (tests/gpu skip it without).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 packages="fastapi starlette uvicorn pydantic pydantic-core pyzmq annotated-types typing-inspection
-          h11 click anyio sniffio jinja2 markupsafe openai distro jiter"
+          h11 click anyio sniffio jinja2 markupsafe openai jiter httpx2 httpcore2 truststore"
 pins=$($py - $packages <<'PY'
 import importlib.metadata as m, sys
 print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))

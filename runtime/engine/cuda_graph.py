@@ -64,6 +64,7 @@ def capture_cuda_graph(
     fn: Callable[[], None], pool: _POOL_HANDLE, stream: torch.cuda.Stream
 ) -> Graph:
     """Warm `fn` up on `stream` (Triton compiles here), then capture it."""
+    stream.wait_stream(torch.cuda.current_stream())  # the buffers were filled on the current one
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()

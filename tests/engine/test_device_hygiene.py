@@ -16,6 +16,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 from tests.engine.device_audit import DeviceAudit
+from tests.engine.test_cuda_graph import CountedGraph
 
 SAMPLING = {
     "greedy": {},
@@ -63,9 +64,14 @@ def audited_run(runner: ModelRunner, overlap: bool, reqs: list[Req]) -> tuple[De
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-@pytest.mark.parametrize("sampler", ["torch", "token_oracle"])
-def test_one_copy_each_way_per_forward_and_no_wait(tiny_path: Path, overlap: bool, sampler: str) -> None:
+@pytest.mark.parametrize(("sampler", "graphs"), [("torch", False), ("token_oracle", False),
+                                                 ("torch", True)])
+def test_one_copy_each_way_per_forward_and_no_wait(
+    tiny_path: Path, overlap: bool, sampler: str, graphs: bool
+) -> None:
     runner = meta_runner(tiny_path, sampler)
+    if graphs:  # decode steps replay through the graph buffers (EagerGraph: the CPU stand-in)
+        runner.graphs = runner.decode_graphs(8, CountedGraph)
     reqs = requests()
     audit, sched = audited_run(runner, overlap, reqs)
     assert audit.mixed == [], "host tensors met device tensors:\n" + "\n".join(audit.mixed)
@@ -76,6 +82,8 @@ def test_one_copy_each_way_per_forward_and_no_wait(tiny_path: Path, overlap: boo
     assert len(audit.d2h) == forwards, audit.d2h
     assert all(len(r.output_ids) == 5 for r in reqs)
     assert runner.kv.is_all_free()
+    if graphs:
+        assert runner.graphs is not None and runner.graphs.graphs[8].replays >= 4  # type: ignore[attr-defined]
 
 
 def test_prebuilt_requests_and_their_table_rows_ride_the_next_forward(tiny_path: Path) -> None:
