@@ -18,6 +18,28 @@ from typing import Any
 import torch
 
 
+def serving_device(name: str) -> torch.device:
+    """The device to serve on, with its index ("cuda" is the current GPU)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` this thread's current GPU. torch ops follow their tensors, but Triton
+    launches and CUDA events go to the current device, which a new thread starts at GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def is_on(actual: torch.device, wanted: torch.device) -> bool:
+    """Does a tensor on `actual` sit where `wanted` points? A device spelled without an index
+    ("cuda", as `--device cuda` gives) matches its type on any index (one process serves on one
+    GPU); torch itself compares "cuda" unequal to "cuda:0"."""
+    return actual.type == wanted.type and wanted.index in (None, actual.index)
+
+
 def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """`tensors` (on the host) on `device`, through one copy. Identity on the CPU."""
     if device.type == "cpu" or not tensors:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from runtime.device import HostCopy, to_device
+from runtime.device import HostCopy, is_on, to_device
 
 ForwardMode = Literal["extend", "decode"]
 
@@ -118,7 +118,7 @@ class ForwardBatch:
         """This batch with every tensor on `device`, moved in one copy (runtime/device.py).
         The scheduler builds batches on the host; the identity when `device` is the CPU or the
         batch is there already."""
-        if device.type == "cpu" or self.positions.device == device:
+        if device.type == "cpu" or is_on(self.positions.device, device):
             return self
         flat = _tensors(self, BATCH_TENSORS) + _tensors(self.sampling, SAMPLING_TENSORS)
         moved = iter(to_device(flat, device))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import forward_batch as fbm
-from runtime.device import HostCopy, to_device
+from runtime.device import HostCopy, is_on, to_device
 
 
 @pytest.mark.parametrize(("cls", "names"), [
@@ -40,3 +40,13 @@ def test_packing_keeps_every_dtype_shape_and_value() -> None:
     for before, after in zip(tensors, _unpack(packed, layout), strict=True):
         assert torch.equal(before, after)
     assert HostCopy(tensors).wait() == tensors
+
+
+def test_a_staged_batch_is_not_staged_again_however_the_device_is_spelled() -> None:
+    """The overlap worker stages a batch, then the runner's forward_batch asks for it on
+    `--device cuda` again: its tensors are on cuda:0, which torch compares unequal to "cuda".
+    Staging it twice would re-pack device tensors into pinned host memory and fail."""
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert cuda != cuda0  # why is_on exists
+    assert is_on(cuda0, cuda) and is_on(cuda0, cuda0) and is_on(cuda1, cuda)
+    assert not is_on(cuda0, cuda1) and not is_on(torch.device("cpu"), cuda)

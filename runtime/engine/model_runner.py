@@ -16,6 +16,7 @@ import torch
 
 from runtime.attention.registry import create_attention_backend
 from runtime.config import EngineConfig, ModelConfig
+from runtime.device import bind_thread, serving_device
 from runtime.engine.cuda_graph import DecodeGraphs, Graph
 from runtime.engine.memory import kv_pages, out_of_memory
 from runtime.engine.penalty import PenaltyState
@@ -58,11 +59,12 @@ class ModelRunner:
         self.model_path: Path = resolve_model_path(config.model)
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
         self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.device = torch.device(config.device)
+        self.device = serving_device(config.device)
+        bind_thread(self.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         try:
-            self.model = LlamaModel(mc, self.model_path, self.dtype, config.device, onednn)
+            self.model = LlamaModel(mc, self.model_path, self.dtype, str(self.device), onednn)
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
         self.pool, self.kv = self._kv_cache(max_running_requests)
@@ -118,6 +120,7 @@ class ModelRunner:
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput:
         """Run `batch` (built on the host; staged here if it is not yet). On a GPU nothing in
         here waits for the device: the results' copy to the host is started, not awaited."""
+        bind_thread(self.device)  # the overlap scheduler runs forwards on a thread of its own
         batch = batch.to(self.device)
         self.kv.req_to_token.apply(batch.table_writes)
         rows = None
