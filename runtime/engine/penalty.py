@@ -31,17 +31,23 @@ class PenaltyState:
         """Start rows afresh from the tokens each has seen so far (see PenaltyResets)."""
         seen, counts = self._ensure()
         rows, seen_rows, seen_tokens, count_rows, count_tokens = resets
-        seen[rows] = False
-        counts[rows] = 0
-        seen[seen_rows, seen_tokens] = True
-        ones = torch.ones_like(count_rows, dtype=torch.int32)
-        counts.index_put_((count_rows, count_tokens), ones, accumulate=True)
+        # NOTE: every write takes its value as a device tensor or a fill: `t[rows] = 0` would
+        # copy the 0 from host memory on CUDA, a wait on every step.
+        seen.index_fill_(0, rows, False)
+        counts.index_fill_(0, rows, 0)
+        self._count(seen_rows, seen_tokens, count_rows, count_tokens)
 
     def accumulate(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each row's newest output token (decode input_ids, already resolved)."""
+        self._count(rows, tokens, rows, tokens)
+
+    def _count(self, seen_rows: torch.Tensor, seen_tokens: torch.Tensor, count_rows: torch.Tensor,
+               count_tokens: torch.Tensor) -> None:
+        """Mark (row, token) pairs seen; add one per (row, token) pair to the counts."""
         seen, counts = self._ensure()
-        seen[rows, tokens] = True
-        counts[rows, tokens] += 1
+        seen.index_put_((seen_rows, seen_tokens), torch.ones_like(seen_rows, dtype=torch.bool))
+        ones = torch.ones_like(count_rows, dtype=torch.int32)
+        counts.index_put_((count_rows, count_tokens), ones, accumulate=True)
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         assert info.repetition_penalties is not None

@@ -6,7 +6,10 @@ and it records, for every op that touches a meta tensor:
   index, a hidden copy and wait on every call (a 0-dim host tensor is a scalar argument, which
   CUDA takes as it is);
 - `syncs`: a read of a device value on the host (`.item()`, `bool()`, `.tolist()`, a boolean
-  mask's `nonzero`): on a GPU each waits for all queued work;
+  mask's `nonzero`): on a GPU each waits for all queued work; also `t[index_tensor] = 0` (a
+  Python number written through a tensor index): on CUDA torch makes the number a host tensor
+  that index_put_ copies over from pageable memory, a wait (on meta torch makes it on meta, so
+  this one is caught one level up, at `Tensor.__setitem__`);
 - `h2d` / `d2h`: explicit copies each way.
 Mixed ops go on with their host tensors moved to meta, and a copy to the host or a read gives
 zeros, so one run lists every offender. Each entry names the first frame in runtime/.
@@ -21,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -47,10 +51,19 @@ def _is_meta(t: Any) -> bool:
 class DeviceAudit(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
+        self.scalar_writes = _ScalarIndexWrites(self)
         self.mixed: list[str] = []
         self.syncs: list[str] = []
         self.h2d: list[str] = []
         self.d2h: list[str] = []
+
+    def __enter__(self) -> DeviceAudit:
+        self.scalar_writes.__enter__()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.scalar_writes.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -101,6 +114,23 @@ class DeviceAudit(TorchDispatchMode):
         """Enter the audit on `worker`'s (single) thread too; returns the call that leaves it."""
         worker.submit(self.__enter__).result()
         return lambda: worker.submit(self.__exit__, None, None, None).result()
+
+
+class _ScalarIndexWrites(TorchFunctionMode):
+    """Records `device_tensor[index_tensor] = python_number` in the audit's syncs."""
+
+    def __init__(self, audit: DeviceAudit) -> None:
+        super().__init__()
+        self.audit = audit
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__setitem__:
+            target, index, value = args
+            indices = index if isinstance(index, tuple) else (index,)
+            if (_is_meta(target) and isinstance(value, bool | int | float)
+                    and any(isinstance(i, torch.Tensor) for i in indices)):
+                self.audit.syncs.append(f"a Python number written through a tensor index: {_where()}")
+        return func(*args, **(kwargs or {}))
 
 
 def _bool_index(func: Any, args: Any) -> torch.Tensor | None:

@@ -120,9 +120,12 @@ def test_the_audit_catches_each_hazard() -> None:
         _ = dev + torch.tensor(1.0)  # a 0-dim host tensor: a scalar, fine
         assert dev.sum().item() == 0  # a read: recorded, and answered with zero
         _ = dev[dev > 0]  # a boolean mask: its size is a read
+        dev[torch.tensor([1], device="meta")] = 0.0  # a host value copied in: a wait on CUDA
+        dev[1:3] = 0.0  # a slice takes the number as it is: fine
         _ = dev.to("cpu")
         _ = torch.arange(3).to("meta")
     assert [m.split(":")[0] for m in audit.mixed] == ["aten.add.Tensor", "aten.index.Tensor"]
     assert [m.split(":")[0] for m in audit.syncs] == [
-        "aten._local_scalar_dense.default", "aten.index.Tensor (boolean mask)"]
+        "aten._local_scalar_dense.default", "aten.index.Tensor (boolean mask)",
+        "a Python number written through a tensor index"]
     assert len(audit.d2h) == len(audit.h2d) == 1
