@@ -5,6 +5,10 @@ sign as meaning, STYLE.md): slot i of the map will hold row i's next token once 
 Step N+1 is scheduled meanwhile; right before it runs (on the forward thread, after step N),
 `resolve_future` swaps every negative id for the stored token. Index 0 is never handed out, so
 every placeholder is strictly negative and every real token id is >= 0.
+A placeholder that step N+1 did not consume (N+1 was a prefill step, and the running batch
+waits) is swapped on the host once step N's tokens are back (`settle`), so no placeholder
+outlives the step after its forward and the ring never laps a slot still waited for, however
+many prefill steps come before the next decode.
 
 The slots live on the forward's device, so the token bridge never leaves it: `store` and
 `resolve_future` are device work queued on the forward thread, with no host sync.
@@ -36,6 +40,14 @@ class FutureMap:
         """tokens [n] (on the map's device) into the n consecutive slots `indices` from alloc."""
         first = int(indices[0])  # a host tensor: no device sync
         self.tokens[first : first + len(indices)] = tokens
+
+    @staticmethod
+    def settle(input_ids: torch.Tensor, indices: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """input_ids (host) with the placeholders of the consecutive slots `indices` replaced by
+        `tokens` (host: the forward that filled them is done); other ids pass through."""
+        slot = -input_ids - int(indices[0])  # [B] position of each id among `indices`
+        mine = (input_ids < 0) & (slot >= 0) & (slot < len(indices))
+        return torch.where(mine, tokens[slot.clamp(0, len(indices) - 1)], input_ids)
 
     def resolve_future(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (on the map's device) with each -index placeholder replaced by the token

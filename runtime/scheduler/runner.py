@@ -45,3 +45,4 @@ class Launched:
     mode: ForwardMode
     is_last_chunk: list[bool]
     result: Future[ForwardOutput]
+    future_indices: torch.Tensor | None = None  # overlap: the FutureMap slots it fills

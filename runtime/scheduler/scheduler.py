@@ -190,6 +190,7 @@ class Scheduler:
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
         self.launched_forwards += 1
+        future_indices = None
         if self.worker is None:
             out = self.runner.forward_batch(fb)
             batch.input_ids = out.on_host().next_token_ids  # the next step is built from it anyway
@@ -198,9 +199,11 @@ class Scheduler:
         else:
             future_indices = self.future_map.alloc(fb.batch_size)
             result = self.worker.submit(self._forward_in_worker, fb, future_indices)
-            # Placeholders: the next step's resolve_future swaps them for these tokens.
+            # Placeholders: the next step's resolve_future swaps them for these tokens (or, if
+            # the next step does not run them, process() does: FutureMap.settle).
             batch.input_ids = -future_indices
-        return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result)
+        return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result,
+                        future_indices)
 
     def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
         """Runs on the forward thread, strictly after the previous step's forward."""
@@ -213,6 +216,9 @@ class Scheduler:
     def process(self, done: Launched) -> list[Req]:
         out = done.result.result(timeout=FORWARD_TIMEOUT_S).on_host()  # the step's one wait
         self.finished_forwards += 1
+        if done.future_indices is not None and self.running.input_ids is not None:
+            self.running.input_ids = FutureMap.settle(self.running.input_ids, done.future_indices,
+                                                      out.next_token_ids)
         ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None

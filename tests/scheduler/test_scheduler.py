@@ -267,3 +267,22 @@ def test_randomized_arrivals_aborts_and_tiny_kv(seed: int) -> None:
         assert r.output_ids == want[: len(r.output_ids)]
     assert runner.kv.is_all_free()
     sched.shutdown()
+
+
+def test_a_long_chunked_prompt_never_laps_the_future_map() -> None:
+    """Overlap: a running request's next token waits in a FutureMap slot while a long prompt is
+    prefilled chunk by chunk (prefill goes first, so no decode step resolves it meanwhile).
+    Once its forward is done the token must leave the ring (FutureMap.settle), or the ring
+    (4 x max_running_requests slots) laps during the chunks and overwrites it."""
+    runner = FakeRunner(num_pages=256, page_size=4, max_reqs=2, context_len=512)
+    config = SchedulerConfig(max_running_requests=2, chunked_prefill_size=4, enable_overlap=True)
+    sched = Scheduler(config, runner)
+    first = make_req("first", 5, 12)
+    sched.add_request(first)
+    for _ in range(4):
+        sched.step()
+    long = make_req("long", 120, 3, seed=1)  # 30 chunks of 4: far more than the ring's 9 slots
+    run(sched, [long])
+    assert_correct([first, long])
+    assert runner.kv.is_all_free()
+    sched.shutdown()
