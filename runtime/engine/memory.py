@@ -2,7 +2,8 @@
 
 sglang's rule: the weights and the KV pool together take `mem_fraction_static` of the GPU's
 memory; the rest is left for activations, the sampler and CUDA graphs. The pool gets what the
-fraction leaves after everything already on the GPU (weights, the CUDA context, other tenants).
+fraction leaves after everything already on the GPU (weights, the CUDA context, other tenants);
+memory torch has cached but no tensor uses counts as free.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def kv_pages(
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
     free, total = torch.cuda.mem_get_info(device)
+    # What torch's caching allocator holds but no tensor uses (an earlier engine's, say) is ours
+    # to take: the driver counts it as used.
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     pages = pages_from_memory(free, total, fraction, page_bytes)
     return pages, (
         f"--mem-fraction-static {fraction} of {total / GiB:.1f} GiB "

@@ -30,23 +30,26 @@ class Reference:
     gaps: list[float]  # HF's top-1 minus top-2 logit at each generated step
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
-    """Greedy generate one prompt at a time (no padding), fp32, recording top-2 gaps."""
+def hf_greedy(
+    path: Path, prompts: list[list[int]], max_new_tokens: int,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
+) -> list[Reference]:
+    """Greedy generate one prompt at a time (no padding), recording top-2 gaps."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     refs = []
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]),
+                torch.tensor([ids], device=device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
                 pad_token_id=2,
             )
-            top2 = [step[0].topk(2).values for step in out.logits]
+            top2 = [step[0].float().topk(2).values for step in out.logits]
             refs.append(
                 Reference(
                     ids=out.sequences[0, len(ids) :].tolist(),

@@ -8,22 +8,24 @@ retracted. A divergence is excused only at a genuine near-tie (HF top-2 gap < 1e
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from runtime import Engine
 from runtime.attention.cpu_backend import CpuAttention
 from runtime.attention.torch_backend import TorchAttention
-from tests.engine.hf_reference import MAX_NEW, Reference, compare
+from tests.engine.hf_reference import MAX_NEW, Reference, compare, hf_greedy
 
 
 def run_and_compare(
-    prompt_ids: list[list[int]], hf_refs: list[Reference], **engine_args: Any
+    prompt_ids: list[list[int]], hf_refs: list[Reference], max_new: int = MAX_NEW, **engine_args: Any
 ) -> Engine:
     engine = Engine(**engine_args)
     try:
-        results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": MAX_NEW})
+        results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": max_new})
         notes = [compare(r["output_ids"], ref) for r, ref in zip(results, hf_refs, strict=True)]
         for note in filter(None, notes):
             warnings.warn(f"{engine_args}: {note}", stacklevel=1)
@@ -72,3 +74,14 @@ def test_tiny_kv_budget_waits_and_retracts(
     )
     assert engine.scheduler.num_retractions > 0
     assert engine.scheduler.peak_running < len(prompt_ids), "everything ran at once: no waiting"
+
+
+@pytest.mark.parametrize("linear", ["torch", "auto"])
+def test_bfloat16_matches_hf_bfloat16(model_path: Path, prompt_ids: list[list[int]], linear: str) -> None:
+    """bf16 weights and KV (the GPU's default dtype) against HF in bf16: the first 16 tokens.
+    bf16 logits are coarse (HF's top-2 gaps come in whole bf16 steps: 2**-7 near 1, more for
+    larger logits), so under NEAR_TIE only an exact tie can excuse a divergence."""
+    refs = hf_greedy(model_path, prompt_ids, 16, torch.bfloat16)
+    engine = run_and_compare(prompt_ids, refs, 16, model=str(model_path), dtype="bfloat16",
+                             linear_backend=linear)
+    assert engine.runner.pool.dtype == torch.bfloat16
