@@ -28,7 +28,9 @@ from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 WORKSPACE_BYTES = 128 << 20
-GROUPS_WITHOUT_TENSOR_CORES = (1, 2, 3, 4, 6, 8, 16)  # flashinfer's CUDA-core decode kernels
+# Decode runs on tensor cores past this GQA group size (sglang's and vLLM's rule: faster there;
+# the CUDA-core kernels cover the small groups in every flashinfer version).
+TENSOR_CORES_ABOVE_GROUP = 4
 
 
 def page_counts(seq_lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -78,7 +80,8 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, flashinfer: Any) -> None:
         super().__init__(pool, req_to_token, scale)
         self.flashinfer = flashinfer
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
+        # zeroed: flashinfer asks for a workspace initialised to 0 before its first use
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode: Any = None  # made at the first decode: its kernels depend on the GQA group
         self.batch: ForwardBatch | None = None  # begun, not yet planned
@@ -105,7 +108,7 @@ class FlashInferAttention(AttentionBackend):
             self.planned.synchronize()
         if batch.mode == "decode":
             if self.decode is None:
-                tensor_cores = num_heads // pool.num_kv_heads not in GROUPS_WITHOUT_TENSOR_CORES
+                tensor_cores = num_heads // pool.num_kv_heads > TENSOR_CORES_ABOVE_GROUP
                 self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_tensor_cores=tensor_cores)
             self.decode.plan(indptr, indices, last, *args, **common)
