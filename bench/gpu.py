@@ -1,7 +1,7 @@
 """baton against HF transformers' static `generate` on a GPU, side by side in one run (issue #10).
 
     python bench/gpu.py [--shapes 135m,1b] [--out DIR]        # on the lent GPU machine:
-    bash gpu/run.sh python3 bench/gpu.py                        # (carry .whl: gpu/prepare.sh)
+    bash gpu/run.sh python3 bench/gpu.py --out "$OUT"           # (carry .whl: gpu/prepare.sh)
     python bench/gpu.py --smoke                                 # CPU: checks the script only
 
 Shapes (bf16, random-initialised weights written here; speed does not depend on the values):
