@@ -42,7 +42,7 @@ def test_packing_keeps_every_dtype_shape_and_value() -> None:
     assert HostCopy(tensors).wait() == tensors
 
 
-def test_a_staged_batch_is_not_staged_again_however_the_device_is_spelled() -> None:
+def test_is_on_matches_a_device_spelled_without_an_index() -> None:
     """The overlap worker stages a batch, then the runner's forward_batch asks for it on
     `--device cuda` again: its tensors are on cuda:0, which torch compares unequal to "cuda".
     Staging it twice would re-pack device tensors into pinned host memory and fail."""
