@@ -82,6 +82,11 @@ def test_finalizers_hold_deletion_and_owners_collect_their_children(
     request(emulated, "PATCH", f"{ISVC}/x", {"metadata": {"finalizers": None}})
     assert cluster.get("x") is None
     assert cluster.child("Service", "child") is None
+    # A child created after its owner went (by a pass that read the owner before): created,
+    # then collected, as kube-controller-manager's garbage collector does.
+    cluster.core.create_namespaced_service("serving", {
+        "metadata": {"name": "late", "ownerReferences": [ref]}, "spec": {"ports": [{"port": 1}]}})
+    assert cluster.child("Service", "late") is None
 
 
 def test_watch_resumes_after_a_resource_version(emulated: EmulatedCluster,
