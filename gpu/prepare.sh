@@ -7,9 +7,22 @@
 #   tests and bench/gpu.py write random-initialised ones there).
 # flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here;
 # ENVIRONMENT.md "GPU machine" has the two-call recipe for flashinfer (tests/gpu skip it without).
+# `bash gpu/prepare.sh nixl` fills .whl-nixl/ instead (56 MiB: nixl and its CUDA 13 build, the
+# machine's torch being cu130), for a first call that only installs it, `bash gpu/run.sh true`
+# with carry=[".whl-nixl"]; the next call, carrying .whl, finds it installed while the machine
+# is warm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+if [ "${1:-}" = nixl ]; then
+  version=$($py -c "import importlib.metadata as m; print(m.version('nixl'))")
+  rm -rf .whl-nixl && mkdir .whl-nixl
+  $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform any -d .whl-nixl \
+    "nixl==$version" "nixl-cu13==$version"
+  ls .whl-nixl && du -sh .whl-nixl
+  exit 0
+fi
 packages="fastapi starlette uvicorn pydantic pydantic-core pyzmq annotated-types typing-inspection
           h11 click anyio sniffio jinja2 markupsafe openai jiter httpx2 httpcore2 truststore"
 pins=$($py - $packages <<'PY'

@@ -5,9 +5,11 @@
 # $OUT/run.log (pass `--out "$OUT"` to bench/gpu.py for its JSON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-fi
+for carried in .whl .whl-nixl; do  # gpu/prepare.sh fills them; each travels when named in carry
+  if [ -d "$carried" ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$carried"/*.whl
+  fi
+done
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 log=${OUT:-/tmp}/run.log
 {

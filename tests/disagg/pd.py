@@ -36,10 +36,13 @@ class Pair:
 def start_pair(
     log_dir: Path, transfer: str, *extra: str, model: str | None = None,
     prefill_extra: tuple[str, ...] = (), decode_extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Pair:
     """Both servers load at once; returns when both are ready."""
     bport = free_port()
     kw: dict[str, Any] = {"model": model} if model else {}
+    if env:
+        kw["env"] = env
     prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(bport), "--kv-transfer",
                             transfer, *extra, *prefill_extra, log_path=log_dir / "prefill.log", **kw)
     decode = ServerProcess("--role", "decode", "--kv-transfer", transfer, *extra, *decode_extra,

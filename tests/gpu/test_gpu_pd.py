@@ -1,9 +1,16 @@
-"""Disaggregation on a GPU: a prefill and a decode `baton serve --device cuda` over the tcp
-transfer (device pages staged through the host) give the colocated engine's greedy tokens."""
+"""Disaggregation on a GPU: a prefill and a decode `baton serve --device cuda` give the colocated
+engine's greedy tokens, over tcp (device pages staged through the host) and over nixl (UCX
+writes VRAM to VRAM; nixl travels alone, `bash gpu/prepare.sh nixl`, README "GPU").
+
+With nixl, UCX prints the protocol it chose for each transfer (UCX_PROTO_INFO=y) into the
+servers' logs; the test copies those lines to $OUT/ucx-protocols.txt when $OUT is set, the
+evidence of whether VRAM went over cuda_ipc or was staged through the host."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -17,8 +24,12 @@ from tests.engine.hf_reference import MAX_NEW, PROMPTS
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                          reason="nixl is not installed (bash gpu/prepare.sh nixl, README 'GPU')")
 
-def test_pd_over_tcp_equals_colocated(gpu_model: Path, tmp_path: Path) -> None:
+
+@pytest.mark.parametrize("transfer", ["tcp", pytest.param("nixl", marks=NIXL)])
+def test_pd_equals_colocated(gpu_model: Path, tmp_path: Path, transfer: str) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gpu_model)
@@ -29,8 +40,15 @@ def test_pd_over_tcp_equals_colocated(gpu_model: Path, tmp_path: Path) -> None:
             prompt_ids, {"temperature": 0, "max_new_tokens": MAX_NEW})]
     finally:
         engine.shutdown()
-    pair = start_pair(tmp_path, "tcp", "--device", "cuda", "--dtype", "float32", model=str(gpu_model))
+    env = {"UCX_PROTO_INFO": "y"} if transfer == "nixl" else None
+    pair = start_pair(tmp_path, transfer, "--device", "cuda", "--dtype", "float32",
+                      model=str(gpu_model), env=env)
     try:
         assert asyncio.run(run_pd(pair, prompt_ids)) == colocated
     finally:
         pair.stop()
+        if env and os.environ.get("OUT"):
+            lines = [line for log in ("prefill.log", "decode.log")
+                     for line in (tmp_path / log).read_text(errors="replace").splitlines()
+                     if line.startswith("[") and " | " in line]  # UCX's protocol tables
+            Path(os.environ["OUT"], "ucx-protocols.txt").write_text("\n".join(lines) + "\n")
