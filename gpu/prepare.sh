@@ -7,7 +7,7 @@
 #   tests and bench/gpu.py write random-initialised ones there).
 # flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here;
 # ENVIRONMENT.md "GPU machine" has the two-call recipe for flashinfer (tests/gpu skip it without).
-# `bash gpu/prepare.sh nixl` fills .whl-nixl/ instead (56 MiB: nixl and its CUDA 13 build, the
+# `bash gpu/prepare.sh nixl` fills .whl-nixl/ instead (57 MiB: nixl and its CUDA 13 build, the
 # machine's torch being cu130), for a first call that only installs it, `bash gpu/run.sh true`
 # with carry=[".whl-nixl"]; the next call, carrying .whl, finds it installed while the machine
 # is warm.
