@@ -17,6 +17,8 @@ which is how the CPU machines test them (tests/attention/test_triton_kernels.py)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +35,9 @@ except ImportError:  # the backend reports itself unavailable; nothing else impo
 
 BLOCK_N = 64  # keys per loop step
 BLOCK_M = 32  # extend: query tokens per program
+# float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
+# thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
+BLOCK_N_IEEE = 32
 
 
 def interpreting() -> bool:
@@ -150,6 +155,69 @@ def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.T
             k.stride(0), k.stride(1), k.stride(2), table.stride(0)]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A kernel with its grid, runtime arguments and compile-time constants: what paged_decode
+    and paged_extend run, and what tests/attention/triton_offline.py compiles for GPU targets on
+    a machine without one (the JIT specializes on exactly these arguments)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constants: dict[str, Any]
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+def decode_launch(
+    pool: KVPool,
+    layer: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> Launch:
+    b, h, d = q.shape
+    group = h // pool.num_kv_heads
+    k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
+    return Launch(
+        _decode_kernel,
+        (b, pool.num_kv_heads),
+        (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
+        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
+             IEEE=pool.dtype == torch.float32),
+    )  # fmt: skip
+
+
+def extend_launch(
+    pool: KVPool,
+    layer: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    req_idx: torch.Tensor,
+    q_start: torch.Tensor,
+    ext_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_extend: int,
+    scale: float,
+) -> Launch:
+    _, h, d = q.shape
+    k, v = pool.pages(layer)
+    ieee = pool.dtype == torch.float32
+    return Launch(
+        _extend_kernel,
+        (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
+        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
+         *_strides(q, out, k, table)),
+        dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M,
+             BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
+    )  # fmt: skip
+
+
 def paged_decode(
     pool: KVPool,
     layer: int,
@@ -160,15 +228,8 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]: request b attends to its first seq_lens[b] positions."""
-    b, h, d = q.shape
-    group = h // pool.num_kv_heads
-    k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
     out = torch.empty_like(q)
-    _decode_kernel[(b, pool.num_kv_heads)](
-        q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table),
-        PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
-        IEEE=pool.dtype == torch.float32,
-    )  # fmt: skip
+    decode_launch(pool, layer, q, out, table, req_idx, seq_lens, scale).run()
     return out
 
 
@@ -186,16 +247,10 @@ def paged_extend(
 ) -> torch.Tensor:
     """q [T, H, D] (requests' new tokens back to back) -> [T, H, D], causal over each
     request's prefix (from the pool) and its new tokens (already written to the pool)."""
-    _, h, d = q.shape
-    k, v = pool.pages(layer)
     out = torch.empty_like(q)
-    grid = (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M))
-    _extend_kernel[grid](
-        q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
-        *_strides(q, out, k, table),
-        PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N,
-        IEEE=pool.dtype == torch.float32,
-    )  # fmt: skip
+    extend_launch(
+        pool, layer, q, out, table, req_idx, q_start, ext_lens, prefix_lens, max_extend, scale
+    ).run()
     return out
 
 

@@ -1,10 +1,8 @@
 """Triton paged attention (runtime/attention/triton_backend.py) against a float64 reference.
 
 On a GPU the kernels run compiled; on CPU they run under TRITON_INTERPRET=1 on tiny shapes (set
-below, before triton is imported). Skipped where the triton package is not installed: it is in
-the optional `cuda` extra, not in the CPU install CI uses (on the CPU machines:
-`pip install --target DIR triton==3.9.0`, then PYTHONPATH=DIR; 3.6's interpreter fails on
-numpy 2.4).
+below, before triton is imported). The dev install pins triton 3.8.0 for this (3.6's interpreter
+fails on numpy 2.4); skipped where triton is not installed.
 """
 
 from __future__ import annotations

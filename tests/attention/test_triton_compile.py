@@ -1,0 +1,57 @@
+"""The Triton attention kernels compile to GPU machine code, here, on a machine without a GPU.
+
+test_triton_kernels.py checks what the kernels compute, in the interpreter; this checks what
+only the compiler sees: that triton lowers them, with the arguments the engine passes, to a cubin
+for an H100 (sm_90, every dtype), an A100 (sm_80) and an L4 (sm_89), within the GPU's shared
+memory per block and without spilling registers to local memory (tests/attention/
+triton_offline.py does the compiling, in a subprocess: the kernels there must not be the
+interpreter's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_PER_BLOCK = {90: 232448, 89: 101376, 80: 166912}  # bytes, opt-in maximum (CUDA guide)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # compile for real
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.attention.triton_offline"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_every_kernel_compiles_for_every_target(compiled: list[dict[str, Any]]) -> None:
+    from tests.attention.triton_offline import PLAN, SHAPES
+
+    want = {(arch, shape[0], dtype, kernel) for arch, dtypes in PLAN for shape in SHAPES
+            for dtype in dtypes for kernel in ("decode", "extend")}  # fmt: skip
+    got = {(r["arch"], r["shape"], r["dtype"], r["kernel"]) for r in compiled}
+    assert got == want
+    assert {arch for arch, _ in PLAN} == set(SHARED_PER_BLOCK)
+    assert all(r["cubin_bytes"] > 0 for r in compiled)
+
+
+def test_kernels_fit_in_shared_memory_and_registers(compiled: list[dict[str, Any]]) -> None:
+    for r in compiled:
+        assert r["dynamic_shared"] + r["shared"] <= SHARED_PER_BLOCK[r["arch"]], r
+        # stack or local memory means ptxas spilled registers: a slow kernel
+        assert r["stack"] == 0 and r["local"] == 0, r

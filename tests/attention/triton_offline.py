@@ -1,0 +1,105 @@
+"""Compile the Triton attention kernels for NVIDIA GPUs on a machine that has none.
+
+Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
+nothing else, so `JITFunction.warmup` runs the JIT's own path on the arguments paged_decode and
+paged_extend build (`decode_launch`/`extend_launch`): the same specialization (argument types,
+16-byte divisibility), lowering, and ptxas to a cubin, which is what a GPU would then load. The
+bundled cuobjdump reads the cubin's registers and local memory (spills).
+
+Prints one JSON object per compiled kernel. Run by tests/attention/test_triton_compile.py in a
+subprocess: the kernels must be JIT functions, not the interpreter's (TRITON_INTERPRET unset).
+By hand, with another triton: PYTHONPATH=DIR python -m tests.attention.triton_offline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+from runtime.attention.triton_backend import Launch, decode_launch, extend_launch
+from runtime.kvcache.pool import KVPool
+from runtime.kvcache.req_to_token import ReqToTokenPool
+
+# (name, query heads, KV heads, head_dim, max context): the shapes baton serves
+SHAPES = [
+    ("smollm2-135m", 9, 3, 64, 8192),  # the builtin model
+    ("llama-1b", 32, 8, 64, 8192),  # bench/gpu.py's 1B shape
+    ("llama-8b", 32, 8, 128, 8192),
+]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# what to build: (GPU arch, dtypes); sm_90 is an H100, sm_80 an A100, sm_89 an L4
+PLAN = [(90, ["fp32", "bf16", "fp16"]), (80, ["bf16"]), (89, ["bf16"])]
+
+
+class Offline:
+    """A triton driver that names a GPU target and has no GPU: enough for warmup to compile."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def launches(heads: int, kv_heads: int, head_dim: int, context: int,
+             dtype: torch.dtype) -> dict[str, Launch]:
+    """Decode and extend launches on CPU tensors laid out as the engine lays them out."""
+    pool = KVPool(1, 4, 16, kv_heads, head_dim, dtype)
+    table = ReqToTokenPool(4, context).table
+    rows = torch.zeros(2, dtype=torch.int64)
+    q = torch.zeros(2, heads * head_dim, dtype=dtype).view(2, heads, head_dim)
+    out = torch.empty_like(q)
+    return {
+        "decode": decode_launch(pool, 0, q, out, table, rows, rows, 0.125),
+        "extend": extend_launch(pool, 0, q, out, table, rows, rows, rows, rows, 1, 0.125),
+    }  # fmt: skip
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED (static) and LOCAL of the cubin's one function, from cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True, timeout=60).stdout  # fmt: skip
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+
+
+def main() -> None:
+    for arch, dtypes in PLAN:
+        driver.set_active(Offline(arch))
+        for name, heads, kv_heads, head_dim, context in SHAPES:
+            for dtype in dtypes:
+                built = launches(heads, kv_heads, head_dim, context, DTYPES[dtype])
+                for kernel, launch in built.items():
+                    compiled: Any = launch.kernel.warmup(
+                        *launch.args, grid=launch.grid, **launch.constants
+                    )
+                    row = {"arch": arch, "shape": name, "dtype": dtype, "kernel": kernel,
+                           "cubin_bytes": len(compiled.asm["cubin"]),
+                           "dynamic_shared": compiled.metadata.shared,
+                           **resources(compiled.asm["cubin"])}  # fmt: skip
+                    print(json.dumps(row), flush=True)
+    print(json.dumps({"triton": triton.__version__}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
