@@ -157,65 +157,20 @@ def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.T
 
 @dataclass(frozen=True)
 class Launch:
-    """A kernel with its grid, runtime arguments and compile-time constants: what paged_decode
-    and paged_extend run, and what tests/attention/triton_offline.py compiles for GPU targets on
-    a machine without one (the JIT specializes on exactly these arguments)."""
+    """A kernel with its grid, runtime arguments and compile-time constants, and the output it
+    fills: what paged_decode and paged_extend build. `run()` launches it; tests/attention/
+    triton_offline.py compiles it for GPU targets without one (the JIT specializes on exactly
+    these arguments)."""
 
     kernel: Any
     grid: tuple[int, ...]
     args: tuple[Any, ...]
     constants: dict[str, Any]
+    out: torch.Tensor
 
-    def run(self) -> None:
+    def run(self) -> torch.Tensor:
         self.kernel[self.grid](*self.args, **self.constants)
-
-
-def decode_launch(
-    pool: KVPool,
-    layer: int,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    table: torch.Tensor,
-    req_idx: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> Launch:
-    b, h, d = q.shape
-    group = h // pool.num_kv_heads
-    k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
-    return Launch(
-        _decode_kernel,
-        (b, pool.num_kv_heads),
-        (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
-        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
-             IEEE=pool.dtype == torch.float32),
-    )  # fmt: skip
-
-
-def extend_launch(
-    pool: KVPool,
-    layer: int,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    table: torch.Tensor,
-    req_idx: torch.Tensor,
-    q_start: torch.Tensor,
-    ext_lens: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    max_extend: int,
-    scale: float,
-) -> Launch:
-    _, h, d = q.shape
-    k, v = pool.pages(layer)
-    ieee = pool.dtype == torch.float32
-    return Launch(
-        _extend_kernel,
-        (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
-        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
-         *_strides(q, out, k, table)),
-        dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M,
-             BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
-    )  # fmt: skip
+        return self.out
 
 
 def paged_decode(
@@ -226,11 +181,20 @@ def paged_decode(
     req_idx: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> Launch:
     """q [B, H, D] -> [B, H, D]: request b attends to its first seq_lens[b] positions."""
+    b, h, d = q.shape
+    group = h // pool.num_kv_heads
+    k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
     out = torch.empty_like(q)
-    decode_launch(pool, layer, q, out, table, req_idx, seq_lens, scale).run()
-    return out
+    return Launch(
+        _decode_kernel,
+        (b, pool.num_kv_heads),
+        (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
+        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
+             IEEE=pool.dtype == torch.float32),
+        out,
+    )  # fmt: skip
 
 
 def paged_extend(
@@ -244,14 +208,22 @@ def paged_extend(
     prefix_lens: torch.Tensor,
     max_extend: int,
     scale: float,
-) -> torch.Tensor:
+) -> Launch:
     """q [T, H, D] (requests' new tokens back to back) -> [T, H, D], causal over each
     request's prefix (from the pool) and its new tokens (already written to the pool)."""
+    _, h, d = q.shape
+    k, v = pool.pages(layer)
     out = torch.empty_like(q)
-    extend_launch(
-        pool, layer, q, out, table, req_idx, q_start, ext_lens, prefix_lens, max_extend, scale
-    ).run()
-    return out
+    ieee = pool.dtype == torch.float32
+    return Launch(
+        _extend_kernel,
+        (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
+        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
+         *_strides(q, out, k, table)),
+        dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M,
+             BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
+        out,
+    )  # fmt: skip
 
 
 class TritonAttention(AttentionBackend):
@@ -292,7 +264,7 @@ class TritonAttention(AttentionBackend):
         if batch.mode == "decode":
             out = paged_decode(
                 self.pool, layer, q.contiguous(), table, self.req_idx, self.seq_lens, self.scale
-            )
+            ).run()
         else:
             out = paged_extend(
                 self.pool,
@@ -305,5 +277,5 @@ class TritonAttention(AttentionBackend):
                 self.prefix_lens,
                 self.max_extend,
                 self.scale,
-            )
+            ).run()
         return out.view(out.shape[0], -1)

@@ -73,7 +73,7 @@ def test_paged_decode_matches_float64(dtype: torch.dtype, page_size: int) -> Non
     q = torch.randn(len(lens), 9, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = q.to(DEVICE)
     seq = torch.tensor(lens, device=DEVICE)
-    out = paged_decode(pool, 1, q, table, rows, seq, 0.17)
+    out = paged_decode(pool, 1, q, table, rows, seq, 0.17).run()
     for b, n in enumerate(lens):
         slots = table[rows[b], :n]
         ref = reference(pool, 1, q[b : b + 1], slots, torch.tensor([n - 1], device=DEVICE), 0.17)
@@ -93,7 +93,7 @@ def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int) -> Non
     out = paged_extend(
         pool, 2, q, table, rows, torch.tensor(starts, device=DEVICE),
         torch.tensor([n for _, n in pairs], device=DEVICE),
-        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2)
+        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2).run()
     for i, (prefix, n) in enumerate(pairs):
         slots = table[rows[i], : prefix + n]
         pos = torch.arange(prefix, prefix + n, device=DEVICE)

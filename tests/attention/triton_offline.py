@@ -1,8 +1,8 @@
 """Compile the Triton attention kernels for NVIDIA GPUs on a machine that has none.
 
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
-nothing else, so `JITFunction.warmup` runs the JIT's own path on the arguments paged_decode and
-paged_extend build (`decode_launch`/`extend_launch`): the same specialization (argument types,
+nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches paged_decode and
+paged_extend build: the same specialization (argument types,
 16-byte divisibility), lowering, and ptxas to a cubin, which is what a GPU would then load. The
 bundled cuobjdump reads the cubin's registers and local memory (spills).
 
@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from runtime.attention.triton_backend import Launch, decode_launch, extend_launch
+from runtime.attention.triton_backend import Launch, paged_decode, paged_extend
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
@@ -64,11 +64,10 @@ def launches(heads: int, kv_heads: int, head_dim: int, context: int,
     table = ReqToTokenPool(4, context).table
     rows = torch.zeros(2, dtype=torch.int64)
     q = torch.zeros(2, heads * head_dim, dtype=dtype).view(2, heads, head_dim)
-    out = torch.empty_like(q)
     return {
-        "decode": decode_launch(pool, 0, q, out, table, rows, rows, 0.125),
-        "extend": extend_launch(pool, 0, q, out, table, rows, rows, rows, rows, 1, 0.125),
-    }  # fmt: skip
+        "decode": paged_decode(pool, 0, q, table, rows, rows, 0.125),
+        "extend": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125),
+    }
 
 
 def resources(cubin: bytes) -> dict[str, int]:
