@@ -12,7 +12,9 @@ Workloads (token ids drawn from a fixed seed, so every run sees the same prompts
   decode-heavy   256 prompts of 20-60 tokens, 256 new tokens each
 Systems (greedy, exactly max_new tokens per prompt):
   hf_static  `model.generate(cache_implementation="static")`, consecutive batches of 64, left
-             padding, min_new_tokens = max_new_tokens, after one warm-up batch
+             padding, min_new_tokens = max_new_tokens, after one warm-up batch; on CUDA
+             transformers compiles that forward on its own, so it runs both ways (compiled and
+             `disable_compile=True`) and the faster is the peer the ratios use
   baton      `Engine.generate` (decode graphs, overlap), after a warm-up: with triton attention,
              and with flashinfer's where it is installed (eager decode: no graphs yet)
 Batch-1 decode step: one 32-token prompt, the time per token of 129 new tokens minus 1, against
@@ -99,8 +101,11 @@ def timed(fn: Callable[[], Any], device: str) -> float:
     return time.perf_counter() - start
 
 
-def hf_static(path: Path, work: list[list[int]], new: int, dtype: torch.dtype, device: str) -> float:
-    """Tokens per second of HF static generate over consecutive batches of HF_BATCH."""
+def hf_static(path: Path, work: list[list[int]], new: int, dtype: torch.dtype, device: str,
+              compiled: bool) -> float:
+    """Tokens per second of HF static generate over consecutive batches of HF_BATCH; `compiled`:
+    as transformers runs it by default (it compiles a static-cache forward on CUDA), else with
+    disable_compile=True."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -112,7 +117,8 @@ def hf_static(path: Path, work: list[list[int]], new: int, dtype: torch.dtype, d
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=pad, cache_implementation="static")
+                                 do_sample=False, pad_token_id=pad, cache_implementation="static",
+                                 disable_compile=not compiled)
         assert out.shape[1] == width + new
 
     batches = [work[i : i + HF_BATCH] for i in range(0, len(work), HF_BATCH)]
@@ -197,13 +203,19 @@ def bench_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     print(f"{name}:", flush=True)
     attentions = ["auto"] if smoke else ["triton", *(["flashinfer"] if has_flashinfer() else [])]
     out: dict[str, Any] = {"baton": {a: baton_runs(path, device, smoke, a, vocab) for a in attentions}}
-    out["hf_static"] = {}
+    out["hf_static"], out["hf_static_by_mode"] = {}, {}
     for wname, (n, lo, hi, new) in (SMOKE_WORKLOADS if smoke else WORKLOADS).items():
-        out["hf_static"][wname] = hf_static(path, prompts(n, lo, hi, vocab), new, dtype, device)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # the HF model's memory
+        modes = {}
+        for mode in ("compiled", "eager"):
+            modes[mode] = hf_static(path, prompts(n, lo, hi, vocab), new, dtype, device,
+                                    compiled=mode == "compiled")
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the HF model's memory
+        out["hf_static_by_mode"][wname] = modes
+        out["hf_static"][wname] = max(modes.values())
         ratios = {a: run["tok_s"][wname] / out["hf_static"][wname] for a, run in out["baton"].items()}
-        print(f"  HF static {wname}: {out['hf_static'][wname]:.0f} tok/s; baton / HF: "
+        print(f"  HF static {wname}: {modes['compiled']:.0f} tok/s compiled, {modes['eager']:.0f} "
+              "eager; baton / the faster: "
               + ", ".join(f"{r:.1f}x ({a})" for a, r in ratios.items()), flush=True)
     out["weight_bytes"] = weight_bytes(path)
     out["copy_bandwidth_gbs"] = copy_bandwidth(device) / 1e9
@@ -240,12 +252,13 @@ def main() -> int:
         "torch": torch.__version__, "python": platform.python_version(),
         "command": " ".join(["python", "bench/gpu.py", *sys.argv[1:]]), "shapes": {},
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="baton-gpu-bench-") as tmp:
         for name in shapes:
             report["shapes"][name] = bench_shape(name, args, Path(tmp))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out / 'gpu.json'}")
+            # after each shape: a run cut short by the command's time limit keeps what it has
+            (args.out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {args.out / 'gpu.json'}", flush=True)
     return 0
 
 

@@ -24,7 +24,8 @@ if [ "${1:-}" = nixl ]; then
   exit 0
 fi
 packages="fastapi starlette uvicorn pydantic pydantic-core pyzmq annotated-types typing-inspection
-          h11 click anyio sniffio jinja2 markupsafe openai jiter httpx2 httpcore2 truststore"
+          h11 click anyio sniffio jinja2 markupsafe openai jiter httpx2 httpcore2 truststore
+          pytest-timeout"
 pins=$($py - $packages <<'PY'
 import importlib.metadata as m, sys
 print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))

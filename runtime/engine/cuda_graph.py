@@ -104,6 +104,7 @@ class DecodeGraphs:
         self.logits = torch.empty((max_bs, vocab_size), dtype=torch.float32, device=device)
         self.batches: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, Graph] = {}
+        self.replays = 0  # decode steps run from a graph
         if capture is None:
             cuda_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
 
@@ -147,5 +148,6 @@ class DecodeGraphs:
         # Lists are read only outside a CUDA graph (shapes, in EagerGraph's re-runs).
         static.seq_lens = [*batch.seq_lens, *[1] * (size - n)]
         self.graphs[size].replay()
+        self.replays += 1
         return self.logits[:n]
 

@@ -113,7 +113,7 @@ def test_engine_on_triton_equals_torch_attention(tiny_path: Path) -> None:
     outputs = {}
     for name in ("torch", "triton"):
         engine = Engine(model=str(tiny_path), attention_backend=name, linear_backend="torch",
-                        chunked_prefill_size=8, page_size=4, device=DEVICE)
+                        chunked_prefill_size=8, page_size=4, device=DEVICE, dtype="float32")
         try:
             outputs[name] = [r["output_ids"] for r in engine.generate(prompts, params)]
             assert engine.runner.kv.is_all_free()
@@ -133,7 +133,8 @@ def test_decode_graphs_on_triton_equal_eager_torch(tiny_path: Path) -> None:
 
     def runner(attention: str) -> ModelRunner:
         config = EngineConfig(model=str(tiny_path), attention_backend=attention, page_size=4,
-                              linear_backend="torch", device=DEVICE, max_total_tokens=2048)
+                              linear_backend="torch", device=DEVICE, max_total_tokens=2048,
+                              dtype="float32")  # what `auto` gives on the CPU, not on CUDA
         return ModelRunner(config, max_running_requests=16)
 
     plain = runner("torch")

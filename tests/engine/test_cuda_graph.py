@@ -67,3 +67,4 @@ def test_graph_replays_give_the_eager_tokens(tiny_path: Path, overlap: bool) -> 
     # Batches of 9..11 ran eagerly; 5..8 padded to 8, 3..4 to 4, then 2 and 1.
     replayed = {size: g.replays for size, g in graphs.graphs.items()}  # type: ignore[attr-defined]
     assert set(replayed) == {1, 2, 4, 8} and all(replayed.values()), replayed
+    assert graphs.replays == sum(replayed.values())

@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engine.hf_reference import Reference, hf_greedy
+
+# every GPU test module's marks; the timeout (pytest-timeout travels in .whl) keeps one hung test
+# from eating a whole 10-minute command on the lent machine
+GPU = [pytest.mark.gpu, pytest.mark.timeout(240),
+       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 REPO = Path(__file__).resolve().parents[2]
 CARRIED = REPO / ".whl" / "model"  # config.json + tokenizer files, from gpu/prepare.sh
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -39,6 +45,12 @@ def random_llama(dest: Path, dtype: torch.dtype, seed: int = 0, **shape: int) ->
         if (src / name).exists() and not (dest / name).exists():
             shutil.copy(src / name, dest / name)
     return dest
+
+
+def hf_greedy_cuda(path: Path, prompts: list[list[int]], dtype: torch.dtype, n: int) -> list[Reference]:
+    refs = hf_greedy(path, prompts, n, dtype, "cuda")
+    torch.cuda.empty_cache()  # the HF model's memory
+    return refs
 
 
 @pytest.fixture(scope="session")

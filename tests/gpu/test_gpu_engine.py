@@ -13,18 +13,12 @@ import pytest
 import torch
 
 from runtime import Engine
-from tests.engine.hf_reference import PROMPTS, Reference, compare, hf_greedy
+from tests.engine.hf_reference import PROMPTS, Reference, compare
+from tests.gpu.conftest import GPU, hf_greedy_cuda
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = GPU
 
 MAX_NEW = 32
-
-
-def hf_greedy_cuda(path: Path, prompts: list[list[int]], dtype: torch.dtype, n: int) -> list[Reference]:
-    refs = hf_greedy(path, prompts, n, dtype, "cuda")
-    torch.cuda.empty_cache()  # the HF model's memory
-    return refs
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +35,22 @@ def refs_fp32(gpu_model: Path, prompt_ids: list[list[int]]) -> list[Reference]:
 
 
 def run(model: Path, prompt_ids: list[list[int]], refs: list[Reference], n: int, **args: Any) -> Engine:
+    """Tokens and their logprobs against HF's (hf_reference.compare). The model's weights are
+    random, so its logits are flat: in bf16 HF against itself (another attention kernel) already
+    flips greedy at 1-ulp gaps on 2 of the 8 prompts, so there every prompt may end at a near-tie,
+    each reported; in float32 at most one may."""
     engine = Engine(model=str(model), device="cuda", enable_overlap=True, **args)
     try:
-        results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": n})
+        results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": n},
+                                  return_logprob=True)
         notes = []
         for r, ref in zip(results, refs, strict=True):
-            ref_n = Reference(ref.ids[:n], ref.gaps[:n])
-            notes.append(compare(r["output_ids"][:n], ref_n))
+            logprobs = [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]
+            notes.append(compare(r["output_ids"][:n], ref.head(n), logprobs[:n]))
         for note in filter(None, notes):
             warnings.warn(f"{args}: {note}", stacklevel=1)
-        assert sum(x is not None for x in notes) <= 1, notes
+        if refs[0].dtype == torch.float32:
+            assert sum(x is not None for x in notes) <= 1, notes
         assert engine.runner.kv.is_all_free()
     finally:
         engine.shutdown()
@@ -80,20 +80,25 @@ def test_bfloat16_first_16_tokens_match_hf(gpu_model: Path, prompt_ids: list[lis
     run(model, prompt_ids, refs, 16, dtype="bfloat16", attention_backend=attention)
 
 
-def test_the_step_loop_never_syncs(gpu_model: Path, prompt_ids: list[list[int]]) -> None:
-    """CUDA's own sync detector, on the thread that runs the forwards (overlap off: the main
-    thread), for a whole generation with sampling, penalties and logprobs: only the event wait
-    for each step's results may block."""
-    engine = Engine(model=str(gpu_model), device="cuda", enable_overlap=False,
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_the_step_loop_never_syncs(gpu_model: Path, prompt_ids: list[list[int]], overlap: bool) -> None:
+    """CUDA's own sync detector (process-wide: the overlap thread too) for a whole generation
+    with sampling, penalties, a logit bias and logprobs: only the event wait for each step's
+    results may block. Decode graphs are replayed, not just captured."""
+    engine = Engine(model=str(gpu_model), device="cuda", enable_overlap=overlap,
                     attention_backend="triton")
     try:
         engine.generate(prompt_ids[:2], {"temperature": 0, "max_new_tokens": 4})  # warm-up
         torch.cuda.set_sync_debug_mode("error")
         try:
             engine.generate(prompt_ids, {"temperature": 0.7, "top_k": 20, "top_p": 0.9,
-                                         "repetition_penalty": 1.1, "max_new_tokens": 8})
+                                         "repetition_penalty": 1.1, "logit_bias": {"42": 2.0},
+                                         "max_new_tokens": 8},
+                            return_logprob=True, top_logprobs_num=3)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.replays > 0
     finally:
         engine.shutdown()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,10 @@ import torch
 from runtime import Engine
 from tests.disagg.pd import start_pair
 from tests.disagg.test_pd_equality import run_pd
-from tests.engine.hf_reference import MAX_NEW, PROMPTS
+from tests.engine.hf_reference import MAX_NEW, PROMPTS, compare
+from tests.gpu.conftest import GPU, hf_greedy_cuda
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = GPU
 
 NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                           reason="nixl is not installed (bash gpu/prepare.sh nixl, README 'GPU')")
@@ -34,6 +35,7 @@ def test_pd_equals_colocated(gpu_model: Path, tmp_path: Path, transfer: str) -> 
 
     tok = AutoTokenizer.from_pretrained(gpu_model)
     prompt_ids = [tok.encode(p) for p in PROMPTS]
+    refs = hf_greedy_cuda(gpu_model, prompt_ids, torch.float32, MAX_NEW)
     engine = Engine(model=str(gpu_model), device="cuda", dtype="float32")
     try:
         colocated = [r["output_ids"] for r in engine.generate(
@@ -44,7 +46,14 @@ def test_pd_equals_colocated(gpu_model: Path, tmp_path: Path, transfer: str) -> 
     pair = start_pair(tmp_path, transfer, "--device", "cuda", "--dtype", "float32",
                       model=str(gpu_model), env=env)
     try:
-        assert asyncio.run(run_pd(pair, prompt_ids)) == colocated
+        disagg = asyncio.run(run_pd(pair, prompt_ids))
+        # the colocated tokens, unless one side ended at a genuine near-tie with HF: the two
+        # batch differently, and cuBLAS picks its float32 kernels by batch size
+        for ours, colo, ref in zip(disagg, colocated, refs, strict=True):
+            notes = [n for n in (compare(ours, ref), compare(colo, ref)) if n]
+            for note in notes:
+                warnings.warn(f"{transfer}: {note}", stacklevel=1)
+            assert ours == colo or notes
     finally:
         pair.stop()
         if env and os.environ.get("OUT"):

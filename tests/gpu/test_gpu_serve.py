@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.gpu.conftest import GPU
 from tests.server.server_process import start_server
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = GPU
 
 
 def test_openai_sdk_against_a_gpu_server(gpu_model: Path, tmp_path: Path) -> None:

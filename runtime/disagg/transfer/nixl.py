@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
+from runtime.device import bind_thread
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import FRAMES, AuxRecord
 from runtime.kvcache.pool import KVPool
@@ -98,6 +99,9 @@ class NixlTransfer(KVTransfer):
                 "dev": self.dev}
 
     def connect(self, peer_id: str, info: dict[str, Any]) -> None:
+        # NOTE: UCX picks cuda_ipc for VRAM only where the calling thread has a current CUDA
+        # context; connect, write and the progress loop run on threads of their own
+        bind_thread(self.pool.device)
         try:
             peer = _Peer("", int(info["addr"]), int(info["num_pages"]), str(info["mem"]),
                          int(info["dev"]))
@@ -118,6 +122,7 @@ class NixlTransfer(KVTransfer):
               aux: AuxRecord) -> int:
         if peer_id not in self.peers:
             raise TransferError(f"nixl: peer {peer_id} is not connected")
+        bind_thread(self.pool.device)
         peer, room, notif = self.peers[peer_id], aux.room, FRAMES.encode(aux)
         if dst_pages and not 0 <= min(dst_pages) <= max(dst_pages) < peer.num_pages:
             raise TransferError(f"room {room}: page index out of range for peer {peer_id}")
@@ -154,6 +159,7 @@ class NixlTransfer(KVTransfer):
         self._wake.set()
 
     def _progress_loop(self) -> None:
+        bind_thread(self.pool.device)
         while not self._closed:
             if not self._expected:
                 self._wake.wait(1.0)
