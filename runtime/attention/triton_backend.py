@@ -16,16 +16,13 @@ which is how the CPU machines test them (tests/attention/test_triton_kernels.py)
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from runtime.attention.base import AttentionBackend, BackendUnavailable
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.triton_launch import Launch, interpreting, next_pow2
 
 try:
     import triton
@@ -38,10 +35,6 @@ BLOCK_M = 32  # extend: query tokens per program
 # float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
 # thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
 BLOCK_N_IEEE = 32
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # kernel argument lists read better packed than one per line
@@ -144,33 +137,11 @@ if triton is not None:
 # fmt: on
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> list[int]:
     """What both kernels take after their scalars: q's and out's row and head strides, the pool
     layer view's page, token and head strides, the req->token table's row stride."""
     return [q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k.stride(0), k.stride(1), k.stride(2), table.stride(0)]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Launch:
-    """A kernel with its grid, runtime arguments and compile-time constants, and the output it
-    fills: what paged_decode and paged_extend build. `run()` launches it; tests/attention/
-    triton_offline.py compiles it for GPU targets without one (the JIT specializes on exactly
-    these arguments)."""
-
-    kernel: Any
-    grid: tuple[int, ...]
-    args: tuple[Any, ...]
-    constants: dict[str, Any]
-    out: torch.Tensor
-
-    def run(self) -> torch.Tensor:
-        self.kernel[self.grid](*self.args, **self.constants)
-        return self.out
 
 
 def paged_decode(
@@ -191,7 +162,7 @@ def paged_decode(
         _decode_kernel,
         (b, pool.num_kv_heads),
         (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
-        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, _pow2(group)), D=d, BLOCK=BLOCK_N,
+        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, next_pow2(group)), D=d, BLOCK=BLOCK_N,
              IEEE=pool.dtype == torch.float32),
         out,
     )  # fmt: skip

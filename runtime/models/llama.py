@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.models.linear import Linear
 from runtime.models.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from runtime.models.fused import TritonOps
 
 
 @dataclass
@@ -35,6 +39,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class TorchOps:
+    """The small ops between a layer's matmuls, as torch ops (HF's numerics); on CUDA the model
+    runs fused.TRITON_OPS instead, one kernel each."""
+
+    @staticmethod
+    def add_rms_norm(
+        x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + delta), x + delta): the residual add and the next norm."""
+        if delta is not None:
+            x = x + delta
+        return rms_norm(x, weight, eps), x
+
+    @staticmethod
+    def rope_qk(
+        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
 
 
 class LlamaModel:
@@ -61,6 +93,11 @@ class LlamaModel:
         ).to(device, dtype)
         c = config
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.ops: TorchOps | TritonOps = TORCH_OPS
+        if torch.device(device).type == "cuda":  # triton is imported only here
+            from runtime.models.fused import TRITON_OPS
+
+            self.ops = TRITON_OPS or TORCH_OPS
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -82,27 +119,26 @@ class LlamaModel:
         self, batch: ForwardBatch, attn: AttentionBackend, logits_rows: torch.Tensor | None
     ) -> torch.Tensor:
         """Run the new tokens; return logits [R, vocab] for `logits_rows` (all rows when None)."""
-        c = self.config
+        c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         t = batch.input_ids.shape[0]
-        x = self.embed[batch.input_ids]  # [T, hidden]
+        x = self.embed[batch.input_ids]  # [T, hidden]: the residual stream
         attn.begin(batch)
         cos_sin = self.rope.lookup(batch.positions)
+        delta = None  # what the last MLP adds to x
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
+            h, x = ops.add_rms_norm(x, delta, lw.input_norm, eps)
             qkv = lw.qkv(h)  # [T, (H + 2KVH) * D]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, c.num_heads, c.head_dim)
             k = k.view(t, c.num_kv_heads, c.head_dim)
             v = v.view(t, c.num_kv_heads, c.head_dim)
-            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-            x = x + lw.o(attn.forward(i, q, k, v, batch))
-            h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up)
+            q, k = ops.rope_qk(q, k, cos_sin)
+            h, x = ops.add_rms_norm(x, lw.o(attn.forward(i, q, k, v, batch)), lw.post_norm, eps)
+            delta = lw.down(ops.silu_mul(lw.gate_up(h)))
         if logits_rows is not None:
-            x = x[logits_rows]
-        x = rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return self.lm_head(x).float()  # [R, vocab]
+            x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
+        h, _ = ops.add_rms_norm(x, delta, self.final_norm, eps)
+        return self.lm_head(h).float()  # [R, vocab]
 
 
 def _load_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:

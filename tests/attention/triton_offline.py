@@ -1,8 +1,8 @@
-"""Compile the Triton attention kernels for NVIDIA GPUs on a machine that has none.
+"""Compile our Triton kernels for NVIDIA GPUs on a machine that has none.
 
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
-nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches paged_decode and
-paged_extend build: the same specialization (argument types,
+nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches the engine builds
+(attention's paged_decode and paged_extend, the model's fused ops): the same specialization (argument types,
 16-byte divisibility), lowering, and ptxas to a cubin, which is what a GPU would then load. The
 bundled cuobjdump reads the cubin's registers and local memory (spills).
 
@@ -26,16 +26,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from runtime.attention.triton_backend import Launch, paged_decode, paged_extend
+from runtime.attention.triton_backend import paged_decode, paged_extend
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.models.fused import add_rms_norm_launch, rope_launch, silu_mul_launch
+from runtime.models.rope import RotaryEmbedding
+from runtime.triton_launch import Launch
 
-# (name, query heads, KV heads, head_dim, max context): the shapes baton serves
+# (name, query heads, KV heads, head_dim, max context, hidden, intermediate): shapes baton serves
 SHAPES = [
-    ("smollm2-135m", 9, 3, 64, 8192),  # the builtin model
-    ("llama-1b", 32, 8, 64, 8192),  # bench/gpu.py's 1B shape
-    ("llama-8b", 32, 8, 128, 8192),
+    ("smollm2-135m", 9, 3, 64, 8192, 576, 1536),  # the builtin model
+    ("llama-1b", 32, 8, 64, 8192, 2048, 8192),  # bench/gpu.py's 1B shape
+    ("llama-8b", 32, 8, 128, 8192, 4096, 14336),
 ]
+KERNELS = ("decode", "extend", "add_rms_norm", "rope", "silu_mul")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what to build: (GPU arch, dtypes); sm_90 is an H100, sm_80 an A100, sm_89 an L4
 PLAN = [(90, ["fp32", "bf16", "fp16"]), (80, ["bf16"]), (89, ["bf16"])]
@@ -57,16 +61,24 @@ class Offline:
         return 0
 
 
-def launches(heads: int, kv_heads: int, head_dim: int, context: int,
+def launches(heads: int, kv_heads: int, head_dim: int, context: int, hidden: int, inter: int,
              dtype: torch.dtype) -> dict[str, Launch]:
-    """Decode and extend launches on CPU tensors laid out as the engine lays them out."""
+    """Every kernel's launch on CPU tensors laid out as the engine lays them out: attention
+    (decode, extend) and the fused ops between the matmuls (runtime/models/fused.py)."""
     pool = KVPool(1, 4, 16, kv_heads, head_dim, dtype)
     table = ReqToTokenPool(4, context).table
     rows = torch.zeros(2, dtype=torch.int64)
     q = torch.zeros(2, heads * head_dim, dtype=dtype).view(2, heads, head_dim)
+    qkv = torch.zeros(2, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q_view, k_view, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    rope = RotaryEmbedding(head_dim, 16, 10000.0, None).to("cpu", dtype).lookup(rows)
+    x = torch.zeros(2, hidden, dtype=dtype)
     return {
         "decode": paged_decode(pool, 0, q, table, rows, rows, 0.125),
         "extend": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125),
+        "add_rms_norm": add_rms_norm_launch(x, x, x[0], 1e-5),
+        "rope": rope_launch(q_view.view(2, heads, head_dim), k_view.view(2, kv_heads, head_dim), rope),
+        "silu_mul": silu_mul_launch(torch.zeros(2, 2 * inter, dtype=dtype)),
     }
 
 
@@ -85,9 +97,9 @@ def resources(cubin: bytes) -> dict[str, int]:
 def main() -> None:
     for arch, dtypes in PLAN:
         driver.set_active(Offline(arch))
-        for name, heads, kv_heads, head_dim, context in SHAPES:
+        for name, *shape in SHAPES:
             for dtype in dtypes:
-                built = launches(heads, kv_heads, head_dim, context, DTYPES[dtype])
+                built = launches(*shape, DTYPES[dtype])
                 for kernel, launch in built.items():
                     compiled: Any = launch.kernel.warmup(
                         *launch.args, grid=launch.grid, **launch.constants
