@@ -16,7 +16,7 @@ Systems (greedy, exactly max_new tokens per prompt):
              transformers compiles that forward on its own, so it runs both ways (compiled and
              `disable_compile=True`) and the faster is the peer the ratios use
   baton      `Engine.generate` (decode graphs, overlap), after a warm-up: with triton attention,
-             and with flashinfer's where it is installed (eager decode: no graphs yet)
+             and with flashinfer's where it is installed (decode graphs too)
 Batch-1 decode step: one 32-token prompt, the time per token of 129 new tokens minus 1, against
 the weight-read bound = weight bytes / the device's copy bandwidth (bytes read plus bytes written
 by a 1 GiB device-to-device copy, per second): a decode step must read every weight once.

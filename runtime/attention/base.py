@@ -33,6 +33,12 @@ class AttentionBackend(ABC):
     def begin(self, batch: ForwardBatch) -> None:
         """Build per-forward metadata (index tables, masks) shared by all layers."""
 
+    def plan_graph(self, batch: ForwardBatch, num_heads: int) -> None:  # noqa: B027 (optional)
+        """Host-side planning for a captured decode forward of `batch` (a graph's padded static
+        batch, its buffers and `seq_lens` filled), run outside the graph before its capture and
+        before every replay: what begin() does on the host, a replay cannot redo. None here: a
+        graph-safe backend's begin() is device work alone."""
+
     @abstractmethod
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

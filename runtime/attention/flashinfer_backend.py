@@ -12,8 +12,11 @@ The new tokens' K/V are written to the pool first, as in the other backends; pre
 over each request's cached prefix and its new tokens.
 
 flashinfer has no float32 kernels: a float32 pool is BackendUnavailable (use triton or bf16).
-Decode graphs would need plan() outside the graph before each replay; not yet: this backend runs
-its decode steps eagerly (cuda_graph_safe stays False).
+
+Decode graphs: plan() is host work, which a replay does not redo, so each captured batch size
+gets a decode wrapper in flashinfer's CUDA-graph mode, whose page table lives in fixed device
+buffers (shared by all sizes: one graph runs at a time, in stream order); the decode graphs call
+plan_graph() outside the graph, before the capture and before every replay, which fills them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def page_indices(
 
 
 class FlashInferAttention(AttentionBackend):
+    cuda_graph_safe = True  # through plan_graph(): see the module's docstring
+
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> FlashInferAttention:
         try:
@@ -84,16 +89,58 @@ class FlashInferAttention(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode: Any = None  # made at the first decode: its kernels depend on the GQA group
+        self.graph_decode: dict[int, Any] = {}  # captured batch size -> its CUDA-graph wrapper
+        self.graph_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.graph_batch: ForwardBatch | None = None  # the static batch plan_graph planned last
         self.batch: ForwardBatch | None = None  # begun, not yet planned
+        self.wrapper: Any = None  # what this forward's layers run
         self.planned: Any = None  # torch.cuda.Event after the last plan's copies
 
     def begin(self, batch: ForwardBatch) -> None:
-        """Where the new tokens go; the plan waits for the first layer, which knows the number
-        of query heads."""
+        """Where the new tokens go. A captured decode forward runs what plan_graph planned; any
+        other waits for the first layer to plan, which knows the number of query heads."""
         self.out_loc = self.pool.locate(batch.out_cache_loc)
-        self.batch = batch
+        if batch is self.graph_batch:
+            self.wrapper, self.batch = self.graph_decode[batch.batch_size], None
+        else:
+            self.batch = batch
 
-    def _plan(self, batch: ForwardBatch, num_heads: int) -> None:
+    def plan_graph(self, batch: ForwardBatch, num_heads: int) -> None:
+        size = batch.batch_size
+        if size not in self.graph_decode:
+            self.graph_decode[size] = self._decode_wrapper(num_heads, size)
+        self._plan(batch, num_heads, self.graph_decode[size])
+        self.graph_batch = batch
+
+    def _decode_wrapper(self, num_heads: int, graph_size: int = 0) -> Any:
+        """An eager decode wrapper, or (graph_size > 0) one in CUDA-graph mode for that batch
+        size, reading its page table from the shared fixed buffers."""
+        tensor_cores = num_heads // self.pool.num_kv_heads > TENSOR_CORES_ABOVE_GROUP
+        make = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        if not graph_size:
+            return make(self.workspace, "NHD", use_tensor_cores=tensor_cores)
+        if self.graph_table is None:
+            # Pages of a padded batch: each request's own (at most the pool's) plus one scratch
+            # page per padding row (at most one per table row).
+            rows, device = self.req_to_token.table.shape[0], self.pool.device
+            self.graph_table = (torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                                torch.zeros(self.pool.num_pages + rows, dtype=torch.int32, device=device),
+                                torch.zeros(rows, dtype=torch.int32, device=device))
+        indptr, indices, last = self.graph_table
+        return make(self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                    paged_kv_indptr_buffer=indptr[: graph_size + 1],
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last[:graph_size])
+
+    def _eager_wrapper(self, batch: ForwardBatch, num_heads: int) -> Any:
+        if batch.mode != "decode":
+            return self.prefill
+        if self.decode is None:
+            self.decode = self._decode_wrapper(num_heads)
+        return self.decode
+
+    def _plan(self, batch: ForwardBatch, num_heads: int, wrapper: Any) -> None:
+        """Plan `batch` on `wrapper` (a decode wrapper for a decode batch, else the prefill one)."""
         pool = self.pool
         indptr, last, total = page_counts(batch.seq_lens, pool.page_size)
         indices = page_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens_t,
@@ -107,25 +154,22 @@ class FlashInferAttention(AttentionBackend):
         if self.planned is not None:
             self.planned.synchronize()
         if batch.mode == "decode":
-            if self.decode is None:
-                tensor_cores = num_heads // pool.num_kv_heads > TENSOR_CORES_ABOVE_GROUP
-                self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_tensor_cores=tensor_cores)
-            self.decode.plan(indptr, indices, last, *args, **common)
+            wrapper.plan(indptr, indices, last, *args, **common)
         else:
             qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor(batch.extend_lens, dtype=torch.int32).cumsum(0)
-            self.prefill.plan(qo_indptr, indptr, indices, last, *args, causal=True, **common)
-        self.planned = torch.cuda.Event()
-        self.planned.record()
+            wrapper.plan(qo_indptr, indptr, indices, last, *args, causal=True, **common)
+        if pool.device.type == "cuda":  # (the CPU runs a stand-in for flashinfer in tests)
+            self.planned = torch.cuda.Event()
+            self.planned.record()
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.write(layer, self.out_loc, k, v)
-        if self.batch is not None:  # the first layer of this forward
-            self._plan(self.batch, q.shape[1])
+        if self.batch is not None:  # the first layer of an eager forward
+            self.wrapper = self._eager_wrapper(self.batch, q.shape[1])
+            self._plan(self.batch, q.shape[1], self.wrapper)
             self.batch = None
-        wrapper = self.decode if batch.mode == "decode" else self.prefill
-        out = wrapper.run(q.contiguous(), self.pool.pages(layer))  # (K, V) strided layer views
+        out = self.wrapper.run(q.contiguous(), self.pool.pages(layer))  # (K, V) strided layer views
         return out.view(out.shape[0], -1)

@@ -10,7 +10,9 @@ are padding that points at the table's scratch row (ReqToTokenPool.scratch_row),
 position lives in a scratch page past the allocator's range, which no request ever gets:
 padding writes its K/V there and attends to it, and its logits are dropped. What is captured is the model alone, embedding to logits;
 penalties, logit_bias and sampling (the token oracle's request ids included) run after the
-replay on the first n rows, so they need no padded copies.
+replay on the first n rows, so they need no padded copies. A backend that plans on the host
+(flashinfer) does so outside the graph, before the capture and before every replay
+(AttentionBackend.plan_graph), on the padded batch.
 
 On CUDA a replay is a `torch.cuda.CUDAGraph`. Elsewhere (CPU tests) `EagerGraph` re-runs the same
 function over the same buffers, so the padding and buffer logic is tested without a GPU.
@@ -111,10 +113,12 @@ class DecodeGraphs:
             def capture(fn: Callable[[], None]) -> Graph:
                 return capture_cuda_graph(fn, cuda_pool, stream)
 
+        self.attn, self.num_heads = attn, model.config.num_heads
         start = time.perf_counter()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             batch = self._static_batch(size)
             self.batches[size] = batch
+            attn.plan_graph(batch, self.num_heads)
             self.graphs[size] = capture(self._forward(model, attn, batch, size))
         log.info("decode graphs: %d batch sizes (1..%d) captured in %.1f s",
                  len(self.sizes), max_bs, time.perf_counter() - start)
@@ -145,8 +149,9 @@ class DecodeGraphs:
             buf[:n].copy_(getattr(batch, name))
             buf[n:size].fill_(self.padding[name])
         static = self.batches[size]
-        # Lists are read only outside a CUDA graph (shapes, in EagerGraph's re-runs).
+        # Lists are read only outside a CUDA graph (plan_graph; shapes in EagerGraph's re-runs).
         static.seq_lens = [*batch.seq_lens, *[1] * (size - n)]
+        self.attn.plan_graph(static, self.num_heads)
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[:n]

@@ -81,7 +81,7 @@ class ModelRunner:
                 self.graphs = self.decode_graphs(min(config.cuda_graph_max_bs, max_running_requests))
             else:
                 log.info("decode graphs: off (%s cannot be captured; --attention-backend triton "
-                         "can)", type(self.attn).__name__)
+                         "or flashinfer can)", type(self.attn).__name__)
         log.info(
             "model %s: %d layers, dtype %s on %s, matmuls %s, attention %s",
             self.model_path, mc.num_layers, self.dtype, self.device,

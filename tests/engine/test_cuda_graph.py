@@ -4,11 +4,14 @@ buffers, so everything but the capture itself is checked here (the GPU run: test
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from runtime.attention.flashinfer_backend import FlashInferAttention
+from runtime.attention.registry import _REGISTRY
 from runtime.config import EngineConfig, SchedulerConfig
 from runtime.engine.cuda_graph import EagerGraph, batch_sizes
 from runtime.engine.model_runner import ModelRunner
@@ -50,9 +53,18 @@ class CountedGraph(EagerGraph):
         super().replay()
 
 
+@pytest.fixture(params=["torch", "flashinfer"])
+def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """torch attention, or baton's flashinfer backend over a torch stand-in for flashinfer's
+    wrappers (tests/attention/flashinfer_standin.py): its page tables and graph planning."""
+    if request.param == "flashinfer":
+        monkeypatch.setitem(_REGISTRY, "flashinfer", "tests.attention.flashinfer_standin:backend")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_graph_replays_give_the_eager_tokens(tiny_path: Path, overlap: bool) -> None:
-    config = EngineConfig(model=str(tiny_path), attention_backend="torch", max_total_tokens=2048)
+def test_graph_replays_give_the_eager_tokens(tiny_path: Path, overlap: bool, attention: str) -> None:
+    config = EngineConfig(model=str(tiny_path), attention_backend=attention, max_total_tokens=2048)
     plain = ModelRunner(config, max_running_requests=16)
     eager = generate(plain, overlap)
 
@@ -68,3 +80,11 @@ def test_graph_replays_give_the_eager_tokens(tiny_path: Path, overlap: bool) -> 
     replayed = {size: g.replays for size, g in graphs.graphs.items()}  # type: ignore[attr-defined]
     assert set(replayed) == {1, 2, 4, 8} and all(replayed.values()), replayed
     assert graphs.replays == sum(replayed.values())
+    if attention == "flashinfer":
+        # One decode wrapper per captured size, planned before its capture and every replay.
+        attn = runner.attn
+        assert isinstance(attn, FlashInferAttention)
+        plans = {size: w.plans for size, w in attn.graph_decode.items()}
+        assert plans == {size: n + 1 for size, n in replayed.items()}
+        torch_tokens = generate(ModelRunner(replace(config, attention_backend="torch"), 16), overlap)
+        assert eager == torch_tokens

@@ -67,9 +67,11 @@ def test_float32_greedy_matches_hf(gpu_model: Path, prompt_ids: list[list[int]],
     assert captured == (graphs and attention == "triton")  # torch attention cannot be captured
 
 
-@pytest.mark.parametrize("attention", ["triton", "torch", "flashinfer"])
+@pytest.mark.parametrize(("attention", "graphs"), [("triton", True), ("torch", False),
+                                                  ("flashinfer", True), ("flashinfer", False)],
+                         ids=["triton", "torch", "flashinfer-graphs", "flashinfer-eager"])
 def test_bfloat16_first_16_tokens_match_hf(gpu_model: Path, prompt_ids: list[list[int]],
-                                           tmp_path: Path, attention: str) -> None:
+                                           tmp_path: Path, attention: str, graphs: bool) -> None:
     from tests.gpu.conftest import random_llama
 
     if attention == "flashinfer":
@@ -77,7 +79,10 @@ def test_bfloat16_first_16_tokens_match_hf(gpu_model: Path, prompt_ids: list[lis
 
     model = random_llama(tmp_path / "bf16", torch.bfloat16)
     refs = hf_greedy_cuda(model, prompt_ids, torch.bfloat16, 16)
-    run(model, prompt_ids, refs, 16, dtype="bfloat16", attention_backend=attention)
+    engine = run(model, prompt_ids, refs, 16, dtype="bfloat16", attention_backend=attention,
+                 disable_cuda_graph=not graphs)
+    assert (engine.runner.graphs is not None) == graphs
+    assert graphs is False or engine.runner.graphs.replays > 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
