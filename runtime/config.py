@@ -91,9 +91,9 @@ class EngineConfig:
     model: str = field(default="builtin:smollm2-135m", metadata=_help("HF folder or builtin:NAME"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
-    attention_backend: str = field(
-        default="auto", metadata=_help("torch | cpu (native decode kernel) | auto: cpu where it runs")
-    )
+    attention_backend: str = field(default="auto", metadata=_help(
+        "auto | cpu (native CPU decode kernel) | torch | triton (CUDA) | flashinfer (CUDA, "
+        "bf16/fp16); auto: cpu on a CPU, triton on CUDA, where each runs, else torch"))
     sampler_backend: str = field(default="torch", metadata=_help("a registered sampler backend"))
     linear_backend: LinearBackend = field(
         default="auto", metadata=_help("matmuls: onednn (CPU) or torch; auto: onednn where it runs")
