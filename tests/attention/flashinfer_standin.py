@@ -22,6 +22,7 @@ import torch
 from runtime.attention.flashinfer_backend import FlashInferAttention
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from tests.attention.reference import causal_attention
 
 
 def backend(pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> FlashInferAttention:
@@ -89,14 +90,12 @@ class _Paged:
         for b in range(len(last)):
             pages = indices[indptr[b] : indptr[b + 1]]
             n = (len(pages) - 1) * page_size + last[b]
-            k = k_cache[pages].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
-            v = v_cache[pages].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+            k = k_cache[pages].reshape(-1, kv_heads, head_dim)[:n]  # [n, KVH, D]
+            v = v_cache[pages].reshape(-1, kv_heads, head_dim)[:n]
             rows = q[qo[b] : qo[b + 1]]
-            scores = torch.einsum("qhd,khd->hqk", rows.float(), k.float()) * self.scale
-            if self.causal:  # row i sees keys up to n - len(rows) + i
-                seen = torch.arange(n) <= (n - len(rows) + torch.arange(len(rows)))[:, None]
-                scores = scores.masked_fill(~seen, float("-inf"))
-            out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+            # causal: row i sees keys up to n - len(rows) + i; else every key
+            pos = n - len(rows) + torch.arange(len(rows)) if self.causal else torch.full((len(rows),), n - 1)
+            out[qo[b] : qo[b + 1]] = causal_attention(rows, k, v, pos, self.scale).to(q.dtype)
         return out
 
 

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from runtime.attention.triton_backend import paged_decode, paged_extend
 from runtime.kvcache.pool import KVPool
+from tests.attention.reference import causal_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # ||out-ref||/||ref||
@@ -46,14 +47,8 @@ def reference(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
               query_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """float64 attention of q [n, H, D] (at positions query_pos [n]) over the keys at `slots`
     (positions 0..len-1), causal."""
-    k_all, v_all = pool.read(layer, pool.locate(slots))
-    k, v = k_all.double(), v_all.double()  # [L, KVH, D]
-    group = q.shape[1] // pool.num_kv_heads
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, H, D]
-    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
-    visible = torch.arange(len(slots), device=q.device)[None, :] <= query_pos[:, None]
-    s = s.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+    k, v = pool.read(layer, pool.locate(slots))
+    return causal_attention(q, k, v, query_pos, scale)
 
 
 def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
