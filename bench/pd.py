@@ -49,30 +49,32 @@ def make_pool() -> Any:
     return pool
 
 
-def receiver_main(backend: str, conn: Connection) -> None:
-    """The decode side: pool, transfer, receiver; reports each room over `conn` once its KV
-    and aux record arrived."""
+def receiver_main(backend: str, secret: bytes, conn: Connection) -> None:
+    """The decode side: pool, transfer, receiver; for each room the sender announces (its
+    destination pages), reports over `conn` once its KV and aux record arrived."""
     import threading
 
+    from runtime.auth.key import ClusterKey
     from runtime.disagg.receiver import KVReceiver
+    from runtime.disagg.tally import Tally
     from runtime.disagg.transfer.base import create_transfer
 
     pool = make_pool()
     transfer = create_transfer(backend, pool, "bench-decode")
     arrival = threading.Event()
     transfer.on_arrival = arrival.set
-    receiver = KVReceiver("127.0.0.1", transfer, lambda: None)
+    receiver = KVReceiver("127.0.0.1", 0, transfer, ClusterKey(secret), "bench-decode",
+                          lambda: None, Tally())
     conn.send((transfer.local_info(), receiver.port))
-    room = 1  # the sender numbers its rooms 1, 2, ...
-    transfer.expect(room)
     while True:
-        arrival.wait()
-        arrival.clear()
-        if transfer.arrived(room) is not None:
-            transfer.discard(room)
-            transfer.expect(room + 1)
-            conn.send(room)
-            room += 1
+        room, dst = conn.recv()
+        transfer.expect(room, dst, "bench-prefill")
+        conn.send("expecting")
+        while transfer.arrived(room) is None:
+            arrival.wait()
+            arrival.clear()
+        transfer.discard(room)
+        conn.send(room)
 
 
 def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> tuple[list[int], list[int]]:
@@ -83,12 +85,16 @@ def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> t
     return rng.sample(range(num_pages), pages), rng.sample(range(num_pages), pages)
 
 
-def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str, Any]]:
+def transfer_bench(backend: str, tokens: list[int], reps: int,
+                   secret: bytes = b"") -> list[dict[str, Any]]:
+    from runtime.auth.key import ClusterKey
+    from runtime.disagg.handshake import open_link
     from runtime.disagg.transfer.base import create_transfer
     from runtime.disagg.wire import AuxRecord
 
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, secret, child),
+                                           daemon=True)
     proc.start()
     try:
         info, port = parent.recv()
@@ -97,23 +103,29 @@ def transfer_bench(backend: str, tokens: list[int], reps: int) -> list[dict[str,
         transfer.connect("decode", info)
         link = socket.create_connection(("127.0.0.1", port))
         link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        open_link(link, ClusterKey(secret), "bench-prefill", "bench-decode")
         rows, rng, room = [], random.Random(0), 0
+
+        def one(src: list[int], dst: list[int], n: int) -> tuple[int, float]:
+            parent.send((room, dst))
+            assert parent.recv() == "expecting"
+            began = time.perf_counter()
+            nbytes = transfer.write("decode", link, src, dst, AuxRecord(room, "b", n, 0))
+            assert parent.recv() == room
+            return nbytes, time.perf_counter() - began
+
         for _ in range(3):  # warm-up, not measured: the first WRITEs set up UCX's lanes
             room += 1
-            src, dst = page_lists(rng, pool.num_pages, tokens[0] // LAYOUT["page_size"], "scattered")
-            transfer.write("decode", link, src, dst, AuxRecord(room, "b", tokens[0], 0))
-            assert parent.recv() == room
+            one(*page_lists(rng, pool.num_pages, tokens[0] // LAYOUT["page_size"], "scattered"),
+                tokens[0])
         for layout in ("contiguous", "scattered"):
             for n in tokens:
                 pages = n // LAYOUT["page_size"]
                 times = []
                 for _ in range(reps):
                     room += 1
-                    src, dst = page_lists(rng, pool.num_pages, pages, layout)
-                    began = time.perf_counter()
-                    nbytes = transfer.write("decode", link, src, dst, AuxRecord(room, "b", n, 0))
-                    assert parent.recv() == room
-                    times.append(time.perf_counter() - began)
+                    nbytes, seconds = one(*page_lists(rng, pool.num_pages, pages, layout), n)
+                    times.append(seconds)
                 t = statistics.median(times)
                 rows.append({"backend": backend, "pages": layout, "tokens": n, "bytes": nbytes,
                              "median_s": t, "gb_s": nbytes / t / 1e9})

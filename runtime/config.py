@@ -132,6 +132,12 @@ class DisaggConfig:
     from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
 
     bootstrap_port: int = field(default=8998, metadata=_help("prefill: the bootstrap server's port"))
+    kv_port: int = field(default=8999, metadata=_help(
+        "decode: the KV receiver's port, where prefill servers open their links (0: any free port)"))
+    cluster_key_file: str | None = field(default=None, metadata=_help(
+        "file holding the deployment's shared cluster key (else $BATON_CLUSTER_KEY): room tickets, "
+        "bootstrap calls and KV links are then authenticated; without one, anyone who reaches the "
+        "KV ports is trusted"))
     kv_transfer: Literal["nixl", "tcp"] = field(
         default="nixl", metadata=_help("KV transfer backend; tcp is the fallback without nixl")
     )

@@ -37,6 +37,7 @@ class GenerateRequest:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    bootstrap_ticket: str | None = None  # verified by the HTTP process
 
 
 @dataclass
@@ -82,18 +83,28 @@ class DisaggStats:
     transfer_seconds: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)  # reason -> count
     rooms: dict[str, int] = field(default_factory=dict)  # state -> count
+    # KV-plane events -> count: refused links, frames and writes, bad bootstrap calls, late
+    # writes contained in quarantined pages (docs/kv-plane.md)
+    kv_plane: dict[str, int] = field(default_factory=dict)
+    quarantined_pages: int = 0  # decode: pages of failed rooms a prefill may still write
 
     def failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
 
+    def count_kv_plane(self, counts: dict[str, int]) -> None:
+        for kind, n in counts.items():
+            self.kv_plane[kind] = self.kv_plane.get(kind, 0) + n
+
     def has_counts(self) -> bool:
-        return bool(self.transfers or self.transfer_bytes or self.transfer_seconds or self.failures)
+        return bool(self.transfers or self.transfer_bytes or self.transfer_seconds or self.failures
+                    or self.kv_plane)
 
     def take(self) -> DisaggStats:
-        """These numbers, leaving zeroed counters behind (rooms stay a level)."""
+        """These numbers, leaving zeroed counters behind (rooms and quarantine stay levels)."""
         out = DisaggStats(self.transfers, self.transfer_bytes, self.transfer_seconds,
-                          self.failures, dict(self.rooms))
+                          self.failures, dict(self.rooms), self.kv_plane, self.quarantined_pages)
         self.transfers, self.transfer_bytes, self.transfer_seconds, self.failures = 0, 0, [], {}
+        self.kv_plane = {}
         return out
 
 

@@ -11,7 +11,8 @@ DELETE /rooms/<room>         cancel: 200 {"cancelled": true} promises no write w
                              202 {"cancelled": false} means a transfer is under way, and its
                              aux record (behind the pages) or RoomFailed frame will follow
 A small stdlib ThreadingHTTPServer on its own threads; what it learns goes to a `Rooms` owner
-(the prefill role) which is thread-safe.
+(the prefill role) which is thread-safe. Bodies are bounded (413) and built into strict types
+(runtime/disagg/wire.py): a wrong type or value is a 400 that names the field.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class PeerRejected(ValueError):
 class UnknownPeer(KeyError):
     pass
 
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+MAX_BODY = 1 << 20  # a PeerRegistration or RoomRequest is a few KB
 
 class Rooms(Protocol):
     def route(self) -> dict[str, Any] | None: ...
@@ -64,6 +71,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self) -> dict[str, Any]:
         n = int(self.headers.get("Content-Length") or 0)
+        if not 0 <= n <= MAX_BODY:
+            raise BodyTooLarge(f"a body of {n} bytes (at most {MAX_BODY})")
         body = json.loads(self.rfile.read(n) or b"{}")
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
@@ -98,6 +107,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(409, str(e), "room_in_use")
         except PeerRejected as e:
             self._error(409, str(e), "peer_rejected")
+        except BodyTooLarge as e:
+            self.close_connection = True  # its body is still unread
+            self._error(413, str(e), "body_too_large")
         except (ValueError, TypeError, KeyError) as e:
             self._error(400, f"bad request: {e}", "bad_request")
 

@@ -9,10 +9,15 @@
                      aux record that came behind them: first token, logprob, customized_info
   Success            the aux record checks out: the request goes through `process_prebuilt` into
                      the running decode batch
-  Failed             the request ends with a clear error; its pages are freed as soon as the
-                     prefill can no longer write them: it never knew them, it said so (cancel
-                     answered, a terminal frame came), it is gone (heartbeats), or the waiting
-                     timeout passed once more
+  Failed             the request ends with a clear error at once; its pages are freed only
+                     once no write for the room can land in them (the fence, docs/kv-plane.md):
+                     tcp: at once, the receiver refuses the room's frames from now on (`revoke`;
+                     a write already landing ends first: a prefill declared gone has its links
+                     broken off). nixl (one-sided WRITEs, which we cannot refuse): once the
+                     prefill never knew the pages, or said its last word on the room (its KV or a
+                     RoomFailed came, or it answered the cancel "no write will happen"), or its
+                     bootstrap port refuses connections (the process is gone). Until then the
+                     pages are quarantined (`stats.quarantined_pages`), never freed on a timer.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
+from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
@@ -46,11 +52,11 @@ class _Room(Generic[R]):
     req: R
     addr: Address
     fence: int | None = None  # pages taken at this KV fence
-    registering: Future[None] | None = None
-    registered: bool = False  # the prefill may write into our pages
+    registering: Future[str] | None = None  # POST /rooms; gives the prefill's instance id
+    exposed: bool = False  # the prefill may know our pages (the POST went out, not refused)
     prefill_done: bool = False  # its KV arrived or a RoomFailed came: the prefill writes no more
-    cancel: Future[bool] | None = None
-    give_up_at: float = 0.0  # failed: free the pages at this time whatever the prefill says
+    cancel: Future[bool] | None = None  # failed: DELETE /rooms; True: "no write will happen"
+    cancel_at: float = 0.0  # when to ask again (a frozen prefill answers nothing)
 
 
 @dataclass
@@ -63,6 +69,7 @@ class DecodeRole(Generic[R]):
     config: DisaggConfig
     wake: Callable[[], None]
     vocab_size: int
+    tally: Tally  # KV-plane events counted on the receiver's threads
     stats: DisaggStats = field(default_factory=DisaggStats)
 
     def __post_init__(self) -> None:
@@ -96,17 +103,20 @@ class DecodeRole(Generic[R]):
         for r in list(self.rooms.values()):
             self._advance(r, touched)
         self.stats.rooms = count_states(r.room for r in self.rooms.values())
+        self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
+                                           if r.room.state is RoomState.FAILED)
+        self.stats.count_kv_plane(self.tally.take())
         return touched
 
     def _take_failures(self, touched: list[R]) -> None:
         while True:
             try:
-                frame = self.receiver.failed.get_nowait()
+                prefill, frame = self.receiver.failed.get_nowait()
             except queue.Empty:
                 return
             r = self.rooms.get(frame.room)
-            if r is None:
-                continue  # a room we already ended (e.g. cancelled, then the prefill's answer)
+            if r is None or self.transfer.peer_of(frame.room) != prefill:
+                continue  # a room we already ended, or not one this prefill was given
             r.prefill_done = True
             self._fail(r, f"the prefill server failed: {frame.reason}", touched, "prefill_failed")
 
@@ -145,8 +155,10 @@ class DecodeRole(Generic[R]):
         if r.registering is None:
             if r.fence is not None and self.scheduler.fence_passed(r.fence):
                 request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
-                                      len(r.req.origin_input_ids), list(r.req.kv_pages))
-                self.transfer.expect(r.room.room)
+                                      len(r.req.origin_input_ids), list(r.req.kv_pages),
+                                      self.config.waiting_timeout_s, r.req.bootstrap_ticket)
+                self.transfer.expect(r.room.room, request.dst_pages)
+                r.exposed = True
                 r.registering = self.workers.submit(self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
             elif r.room.waited() > self.config.bootstrap_timeout_s:
@@ -155,10 +167,9 @@ class DecodeRole(Generic[R]):
         elif r.registering.done():
             error = r.registering.exception()
             if error is None:
-                r.registered = True
                 r.room.advance(RoomState.WAITING_FOR_INPUT)
             else:
-                r.registered = isinstance(error, Ambiguous)
+                r.exposed = isinstance(error, Ambiguous)
                 kind = "room_in_use" if isinstance(error, RoomInUse) else "refused"
                 self._fail(r, str(error), touched, kind)
 
@@ -188,7 +199,6 @@ class DecodeRole(Generic[R]):
         if not r.room.fail(reason):
             return
         self.stats.failed(kind)
-        r.give_up_at = time.monotonic() + self.config.waiting_timeout_s
         if not r.req.finished:
             r.req.finish("abort", reason)
             touched.append(r.req)
@@ -196,27 +206,50 @@ class DecodeRole(Generic[R]):
         self._settle(r)
 
     def _settle(self, r: _Room[R]) -> None:
-        """A failed room: free its pages once nobody can write them any more."""
-        if r.registered and not r.prefill_done and self.transfer.arrived(r.room.room) is None:
-            if r.cancel is None:
-                r.cancel = self.workers.submit(self.client.cancel_room, r.addr, r.room.room)
-                r.cancel.add_done_callback(lambda _: self.wake())
-                return
-            said_no_write = r.cancel.done() and r.cancel.exception() is None and r.cancel.result()
-            if not said_no_write and time.monotonic() < r.give_up_at:
-                return
+        """A failed room: free its pages once no write for it can land in them."""
+        if not self._writes_over(r):
+            return
+        if self.transfer.arrived(r.room.room) is not None:
+            self.tally.add("late_write_contained")  # it landed in pages we had kept back
         self.kv.release(r.req)
         self.transfer.discard(r.room.room)
         self._drop(r)
 
+    def _writes_over(self, r: _Room[R]) -> bool:
+        closed = self.transfer.revoke(r.room.room)  # no write is admitted at our door from now
+        told = self._cancel(r)  # so the prefill neither computes nor sends it for nothing
+        if not self.transfer.one_sided:
+            return closed  # False while a write is landing: it ends, then we are woken
+        if r.registering is not None and not r.registering.done():
+            return False  # the prefill may be taking our pages right now
+        return (not r.exposed or r.prefill_done or told
+                or self.transfer.arrived(r.room.room) is not None)
+
+    def _cancel(self, r: _Room[R]) -> bool:
+        """Ask the prefill to cancel the room (again every heartbeat interval until it answers);
+        True once it promised that no write will happen, or is gone."""
+        if not r.exposed or r.prefill_done:
+            return False
+        if r.cancel is not None and r.cancel.done() and r.cancel.exception() is None \
+                and r.cancel.result():
+            return True
+        if r.cancel is None or (r.cancel.done() and time.monotonic() >= r.cancel_at):
+            r.cancel = self.workers.submit(self.client.cancel_room, r.addr, r.room.room)
+            r.cancel.add_done_callback(lambda _: self.wake())
+            r.cancel_at = time.monotonic() + self.config.heartbeat_interval_s
+        return False
+
     def _prefill_gone(self, addr: Address, touched: list[R]) -> None:
-        for r in [r for r in self.rooms.values() if r.addr == addr]:
-            r.prefill_done = True  # a dead process writes nothing
+        rooms = [r for r in self.rooms.values() if r.addr == addr]
+        prefills = {self.transfer.peer_of(r.room.room) for r in rooms}
+        for r in rooms:
             self._fail(r, f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
                        touched, "prefill_gone")
+        for prefill in prefills - {None}:  # tcp: a write of its landing now breaks off
+            self.receiver.close_links(prefill)  # type: ignore[arg-type]
 
     def _watched(self) -> set[Address]:
-        return {r.addr for r in self.rooms.values() if r.registered and not r.room.state.terminal}
+        return {r.addr for r in self.rooms.values() if r.exposed and not r.room.state.terminal}
 
     def _drop(self, r: _Room[R]) -> None:
         self.rooms.pop(r.room.room, None)

@@ -19,6 +19,7 @@ class PDRequest(KVHolder, Protocol):
     bootstrap_host: str | None
     bootstrap_port: int | None
     bootstrap_room: int | None
+    bootstrap_ticket: str | None
     output_logprobs: list[float]
     output_top_logprobs: list[list[tuple[int, float]]]
     customized_info: dict[str, list[Any]]

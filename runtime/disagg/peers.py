@@ -38,16 +38,22 @@ class PrefillClient:
         self.registered: dict[Address, str] = {}  # prefill address -> its instance id
         self._lock = threading.Lock()
 
-    def register_room(self, addr: Address, request: RoomRequest) -> None:
-        """Tell the prefill at `addr` where to write `request.room`'s KV. Raises RoomInUse,
-        TransferError (it refused or cannot be reached: nothing will be written) or Ambiguous."""
+    def register_room(self, addr: Address, request: RoomRequest) -> str:
+        """Tell the prefill at `addr` where to write `request.room`'s KV; its instance id. First
+        the room is bound to that instance (`KVTransfer.bind_peer`: only its links may write
+        the pages). Raises RoomInUse, TransferError (it refused or cannot be reached, or the
+        room ended meanwhile: nothing will be written) or Ambiguous."""
         for _ in range(2):
-            self._ensure_registered(addr)
+            instance = self._ensure_registered(addr)
+            if not self.transfer.bind_peer(request.room, instance):
+                raise TransferError(f"room {request.room} is not for prefill {instance} at "
+                                    f"{_url(addr)} (it ended, or names another instance)")
             resp = self._call("POST", addr, "/rooms", asdict(request))
             if resp.status_code == 200:
-                return
+                return instance
             if resp.status_code == 404 and _code(resp) == "unknown_peer":
                 self._forget(addr)  # it restarted: introduce ourselves again
+                self.transfer.unbind_peer(request.room)  # to the new instance
                 continue
             if resp.status_code == 409 and _code(resp) == "room_in_use":
                 raise RoomInUse(error_message(resp))
@@ -60,9 +66,9 @@ class PrefillClient:
         """True when the prefill promises not to write `room` (or cannot: it is gone)."""
         try:
             resp = self.http.delete(f"{_url(addr)}/rooms/{room}")
-        except httpx.ConnectError:
-            return True  # nobody listens there: nobody will write
         except httpx.HTTPError as e:
+            if refused(e):
+                return True  # nothing listens there: the prefill closes its port last, so it is gone
             log.info("cancel of room %d at %s: %s", room, _url(addr), e)
             return False
         return resp.status_code == 200
@@ -73,10 +79,11 @@ class PrefillClient:
         except httpx.HTTPError:
             return False
 
-    def _ensure_registered(self, addr: Address) -> None:
+    def _ensure_registered(self, addr: Address) -> str:
+        """The instance id of the prefill at `addr`, introducing ourselves first if needed."""
         with self._lock:
             if addr in self.registered:
-                return
+                return self.registered[addr]
         route = self._call("GET", addr, "/route", None)
         if route.status_code != 200:
             raise TransferError(f"prefill {_url(addr)} is not ready: {error_message(route)}")
@@ -94,8 +101,10 @@ class PrefillClient:
             raise TransferError(
                 f"prefill {_url(addr)} refused this decode server: {error_message(resp)}"
             )
+        instance = str(info.get("instance_id"))
         with self._lock:
-            self.registered[addr] = str(info.get("instance_id"))
+            self.registered[addr] = instance
+        return instance
 
     def _forget(self, addr: Address) -> None:
         with self._lock:
@@ -113,6 +122,16 @@ class PrefillClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def refused(error: BaseException | None) -> bool:
+    """The connection was refused: nothing listens on that port (unlike a timeout, or no route
+    to the host, which a frozen or cut-off process that may still write also gives)."""
+    while error is not None:
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _url(addr: Address) -> str:

@@ -11,9 +11,14 @@ registration is off the critical path, and a burst is prefilled together).
                      wrote its KV has finished
   Transferring       the sender writes the pages into the decode pool, then the aux record
   Success / Failed   its pages are freed, the request finishes (length / abort)
-The decode server may cancel a room (DELETE /rooms): until the transfer starts that is a promise
-never to write, after it the transfer's own answer (the aux record behind the pages, or a
-RoomFailed frame) follows.
+The decode server may cancel a room (DELETE /rooms): until its write starts that is a promise
+never to write (200), after it the write's own answer (the aux record behind the pages, or a
+RoomFailed frame) follows (202). The sender claims the room under the same lock just before it
+writes (`_claim`): a room cancelled by then, or whose decode stopped waiting (`wait_s` of its
+RoomRequest), is never written, however late a frozen or slow prefill gets there. A RoomFailed
+frame is sent only once no write for the room is under way (it is the decode's licence to free
+the pages); a nixl WRITE that timed out may still land, so its room is remembered as in doubt
+and a cancel of it is never answered 200.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,8 +36,8 @@ from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.sender import KVSender, Sent
-from runtime.disagg.transfer.base import KVTransfer
-from runtime.disagg.wire import AuxRecord, KVLayout, PeerRegistration, RoomRequest
+from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
+from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
 from runtime.messages import DisaggStats
 
@@ -47,6 +51,8 @@ class _Room(Generic[R]):
     target: RoomRequest | None = None
     peer: PeerRegistration | None = None
     cancelled: bool = False  # the decode server cancelled: never write
+    write_by: float = 0.0  # monotonic: no write may start after this (the decode stops waiting)
+    writing: bool = False  # the sender claimed it: a write is under way or done
     submitted: bool = False  # the request went to the scheduler (prefill runs meanwhile)
     handed_off: bool = False  # the scheduler is done with it; we own it and its KV
     sending: Future[Sent] | None = None
@@ -61,9 +67,9 @@ class PrefillRole(Generic[R]):
     config: DisaggConfig
     wake: Callable[[], None]
     stats: DisaggStats = field(default_factory=DisaggStats)
-    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
+        self.instance_id = self.transfer.agent_name  # /route, the KV link proof, nixl's agent
         self.rooms: dict[int, _Room[R]] = {}
         self.by_rid: dict[str, int] = {}
         self.peers: dict[str, PeerRegistration] = {}
@@ -72,7 +78,8 @@ class PrefillRole(Generic[R]):
         # rooms a decode server cancelled before their request came: room -> when (a late
         # request fails at once instead of waiting out the bootstrap timeout)
         self.cancelled: dict[int, float] = {}
-        self.lock = threading.Lock()  # rooms and peers: the loop and the bootstrap threads
+        self.lock = threading.Lock()  # rooms and peers: the loop, bootstrap and sender threads
+        self.in_doubt: set[int] = set()  # rooms whose write timed out: it may still land
         self._aborted: list[R] = []
 
     # ---- the bootstrap server's side (its threads) ----------------------------------------
@@ -82,13 +89,16 @@ class PrefillRole(Generic[R]):
         return {"instance_id": self.instance_id, **self.transfer.describe()}
 
     def register_peer(self, peer: PeerRegistration) -> dict[str, Any]:
-        problem = self.transfer.layout.mismatch(KVLayout(**peer.layout))
+        problem = self.transfer.layout.mismatch(peer.kv_layout)
         if problem:
             raise PeerRejected(f"KV layouts differ (this prefill vs that decode): {problem}")
         if peer.backend != self.transfer.name:
             raise PeerRejected(f"this prefill sends KV with {self.transfer.name!r}, "
                                f"the decode server expects {peer.backend!r} (--kv-transfer)")
-        self.transfer.connect(peer.decode_id, peer.backend_info)
+        try:
+            self.transfer.connect(peer.decode_id, peer.backend_info)
+        except TransferError as e:
+            raise PeerRejected(str(e)) from e
         address = (peer.receiver_host, peer.receiver_port)
         with self.lock:
             stale = [d for d, p in self.peers.items()  # a decode restarted on the same address
@@ -100,7 +110,7 @@ class PrefillRole(Generic[R]):
             self.transfer.forget(decode_id)
         log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
                  peer.receiver_host, peer.receiver_port)
-        return self.transfer.local_info()
+        return {}  # a decode needs nothing of ours: our pool's address never leaves
 
     def offer_room(self, request: RoomRequest) -> None:
         with self.lock:
@@ -111,17 +121,28 @@ class PrefillRole(Generic[R]):
             if r.target is not None:
                 raise RoomInUse(f"room {request.room} already has a decode server")
             r.target, r.peer = request, peer
+            r.write_by = time.monotonic() + request.wait_s
         self.wake()
 
     def cancel_room(self, room: int) -> bool:
+        """True promises that no write for `room` will happen (none is under way)."""
         with self.lock:
             r = self.rooms.get(room)
-            if r is not None and r.room.state is RoomState.TRANSFERRING:
+            if room in self.in_doubt or (r is not None and r.writing):
                 return False
             if r is not None:
                 r.cancelled = True
         self.wake()
         return True
+
+    def _claim(self, r: _Room[R]) -> None:
+        """The sender's thread, just before it writes: raise unless the room may be written."""
+        with self.lock:
+            if r.cancelled:
+                raise TransferError("cancelled by the decode server")
+            if time.monotonic() > r.write_by:
+                raise TransferError(f"the decode server stopped waiting for room {r.room.room}")
+            r.writing = True
 
     # ---- the scheduler loop's side -----------------------------------------------------------
     def add(self, req: R) -> None:
@@ -208,13 +229,17 @@ class PrefillRole(Generic[R]):
             customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
         )
         src = req.kv_pages[: len(target.dst_pages)]
-        r.sending = self.sender.send(peer, src, target.dst_pages, aux)
+        r.sending = self.sender.send(peer, src, target.dst_pages, aux, lambda: self._claim(r))
         r.sending.add_done_callback(lambda _: self.wake())
 
     def _finish_transfer(self, r: _Room[R], sending: Future[Sent], touched: list[R]) -> None:
         error = sending.exception()
+        if isinstance(error, WriteInDoubt):
+            with self.lock:
+                self.in_doubt.add(r.room.room)
         if error is not None:
-            self._fail(r, f"KV transfer to the decode server failed: {error}", touched, "transfer_error")
+            kind = "cancelled" if r.cancelled else "transfer_error"
+            self._fail(r, f"KV transfer to the decode server failed: {error}", touched, kind)
             return
         sent = sending.result()
         self.stats.transfers += 1
@@ -241,7 +266,8 @@ class PrefillRole(Generic[R]):
                 touched.append(req)
         if req is not None and (r.handed_off or r.sending is not None):
             self.kv.release(req)
-        if r.peer is not None and r.target is not None and kind != "cancelled":
+        if (r.peer is not None and r.target is not None and kind != "cancelled"
+                and r.room.room not in self.in_doubt):  # its write is over, or never began
             self.sender.fail(r.peer, r.room.room, reason)
         if kind == "cancelled" and req is None:
             with self.lock:
@@ -273,7 +299,9 @@ class PrefillRole(Generic[R]):
         return bool(self.rooms or self._aborted)
 
     def close(self) -> None:
-        if self.bootstrap is not None:
-            self.bootstrap.close()
+        """Writes end first and the bootstrap port closes last: a decode that finds it refusing
+        connections may take it that this prefill writes nothing more."""
         self.sender.close()
         self.transfer.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()

@@ -1,9 +1,15 @@
-"""The decode server's KV receiver: a TCP listener that prefill servers open one link to.
+"""The decode server's KV receiver: a TCP listener (`--kv-port`) that prefill servers open one
+link to.
 
-Per link, one thread reads frames in order: a PagesFrame's payload goes straight into the pool
-and a RoomDone's aux record to the backend's arrivals (tcp backend); a RoomFailed goes into
-`failed` for the decode role's loop (`wake` tells it). A link that sends garbage is closed; its
-rooms then fail by the decode's timeouts or heartbeats, never by guesswork here.
+A link starts with the handshake (handshake.py): the prefill proves the cluster key and its
+instance id, or the link is closed (counted as `bad_link`; at most MAX_UNPROVEN links wait for
+their proof at once). Then one thread per link reads frames in order, each bounded by the pool
+(`header_limit`) and checked as it is decoded: a PagesFrame's payload goes into the pool only if
+its room admits it (the room is expected from this link's prefill and names exactly the room's
+pages; else it is read into nothing and counted as `refused_write`), a RoomDone's aux record to
+the backend's arrivals, a RoomFailed into `failed` for the decode role's loop (`wake` tells it),
+with the link's prefill id. A frame that is not one of ours closes the link (`bad_frame`); its
+rooms then fail by the decode's timeouts or heartbeats. Nothing a peer sends raises out of here.
 """
 
 from __future__ import annotations
@@ -15,20 +21,39 @@ import socket
 import threading
 from collections.abc import Callable
 
+from runtime.auth.key import ClusterKey
+from runtime.disagg.handshake import HandshakeFailed, accept_link
+from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import LinkClosed, PagesFrame, RoomDone, RoomFailed, recv_frame
+from runtime.disagg.wire import (
+    BadFrame,
+    LinkClosed,
+    PagesFrame,
+    RoomDone,
+    RoomFailed,
+    header_limit,
+    recv_frame,
+)
 
 log = logging.getLogger(__name__)
 
+MAX_UNPROVEN = 64  # links still in their handshake; more are closed at once
+
 
 class KVReceiver:
-    def __init__(self, host: str, transfer: KVTransfer, wake: Callable[[], None]) -> None:
-        self.transfer = transfer
-        self.wake = wake
-        self.failed: queue.SimpleQueue[RoomFailed] = queue.SimpleQueue()
-        self.listener = socket.create_server((host, 0), backlog=64)
+    def __init__(self, host: str, port: int, transfer: KVTransfer, key: ClusterKey,
+                 decode_id: str, wake: Callable[[], None], tally: Tally) -> None:
+        self.transfer, self.key, self.decode_id = transfer, key, decode_id
+        self.wake, self.tally = wake, tally
+        self.failed: queue.SimpleQueue[tuple[str, RoomFailed]] = queue.SimpleQueue()
+        try:
+            self.listener = socket.create_server((host, port), backlog=64)
+        except OSError as e:
+            raise OSError(f"KV receiver cannot listen on {host}:{port}: {e} (--kv-port)") from e
         self.port: int = self.listener.getsockname()[1]
-        self.links: set[socket.socket] = set()
+        self.limit = header_limit(transfer.pool.num_pages)
+        self.links: dict[socket.socket, str | None] = {}  # -> the proven prefill id
+        self.unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self.closed = False
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="kv-receiver", daemon=True).start()
@@ -39,37 +64,78 @@ class KVReceiver:
                 sock, peer = self.listener.accept()
             except OSError:
                 return
+            if not self.unproven.acquire(blocking=False):
+                self.tally.add("bad_link")
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self.links.add(sock)
+                self.links[sock] = None
             threading.Thread(target=self._serve, args=(sock, peer), name="kv-link", daemon=True).start()
 
-    def _serve(self, sock: socket.socket, peer: object) -> None:
+    def _serve(self, sock: socket.socket, addr: object) -> None:
+        try:
+            prefill = self._prove(sock, addr)
+            if prefill is not None:
+                self._read(sock, prefill)
+        finally:
+            with self._lock:
+                self.links.pop(sock, None)
+            sock.close()
+
+    def _prove(self, sock: socket.socket, addr: object) -> str | None:
+        try:
+            prefill = accept_link(sock, self.key, self.decode_id)
+        except (HandshakeFailed, OSError) as e:
+            self.tally.add("bad_link")
+            log.warning("KV link from %s refused: %s", addr, e)
+            return None
+        finally:
+            self.unproven.release()
+        with self._lock:
+            if sock not in self.links:  # closed meanwhile (close_links, close)
+                return None
+            self.links[sock] = prefill
+        return prefill
+
+    def _read(self, sock: socket.socket, prefill: str) -> None:
         try:
             while True:
-                frame = recv_frame(sock)
+                frame = recv_frame(sock, self.limit)
                 if isinstance(frame, PagesFrame):
-                    self.transfer.read_pages(frame, sock)
+                    if not self.transfer.read_pages(frame, sock, prefill):
+                        self.tally.add("refused_write")
+                        log.warning("KV for room %d from %s refused: not a room it may write now",
+                                    frame.room, prefill)
                 elif isinstance(frame, RoomDone):
-                    self.transfer.read_done(frame.aux)  # wakes the loop (`on_arrival`)
+                    self.transfer.read_done(frame.aux, prefill)  # wakes the loop (`on_arrival`)
                 else:
-                    self.failed.put(frame)
+                    self.failed.put((prefill, frame))
                     self.wake()
         except (LinkClosed, OSError) as e:
             if not self.closed:
-                log.info("KV link from %s closed: %s", peer, e)
-        except (TransferError, ValueError) as e:
-            log.error("KV link from %s sent a bad frame, closing it: %s", peer, e)
-        finally:
-            with self._lock:
-                self.links.discard(sock)
-            sock.close()
+                log.info("KV link from %s closed: %s", prefill, e)
+        except (BadFrame, TransferError, ValueError) as e:
+            self.tally.add("bad_frame")
+            log.error("KV link from %s sent a bad frame, closing it: %s", prefill, e)
+        except Exception:  # never let a peer's bytes take the receiver down
+            self.tally.add("bad_frame")
+            log.exception("KV link from %s: unexpected error, closing it", prefill)
+
+    def close_links(self, prefill: str) -> None:
+        """Break off every link of prefill `prefill` (declared gone): a write landing on one
+        ends now, and the prefill must open (and prove) a new link to send again."""
+        with self._lock:
+            links = [s for s, p in self.links.items() if p == prefill]
+        for sock in links:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.closed = True
         self.listener.close()
         with self._lock:
-            links, self.links = list(self.links), set()
+            links, self.links = list(self.links), {}
         for sock in links:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

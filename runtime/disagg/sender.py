@@ -2,9 +2,12 @@
 
 One TCP link per decode server, opened on first use and reused; a transfer holds its link for
 the pages and the RoomDone that follows them (tcp backend), so a room's frames are never
-interleaved with another's; RoomFailed frames travel on it for every backend. A link that fails
-is dropped and the next transfer reconnects (a decode that restarted on the same address is
-found again).
+interleaved with another's; RoomFailed frames travel on it for every backend. A new link first
+runs the handshake (handshake.py): nothing is sent to a listener that does not prove it is the
+registered decode with our cluster key. A link that fails is dropped and the next transfer
+reconnects (a decode that restarted on the same address is found again). Each write first
+`claim`s its room (the prefill role refuses a cancelled or expired one); `close` waits for the
+writes under way (up to CLOSE_WAIT_S) so none outlives the role.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from runtime.auth.key import ClusterKey
+from runtime.disagg.handshake import open_link
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomFailed, send_frame
 
@@ -24,6 +30,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 60.0
+CLOSE_WAIT_S = 10.0
 
 
 @dataclass
@@ -40,43 +47,59 @@ class _Link:
 
 
 class KVSender:
-    def __init__(self, transfer: KVTransfer, workers: int = 2) -> None:
-        self.transfer = transfer
+    def __init__(self, transfer: KVTransfer, key: ClusterKey, workers: int = 2) -> None:
+        self.transfer, self.key = transfer, key
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-sender")
         self.links: dict[str, _Link] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition()
+        self._writing = 0
 
     def send(
-        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord
+        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord,
+        claim: Callable[[], None],
     ) -> Future[Sent]:
-        """Write the room's pages into the decode's, with its aux record behind them; the future
-        fails with TransferError or OSError when the decode cannot be reached or the write
-        fails."""
-        return self.pool.submit(self._send, peer, src_pages, dst_pages, aux)
+        """Write the room's pages into the decode's, with its aux record behind them, once
+        `claim()` allowed it (it raises TransferError otherwise); the future fails with
+        TransferError or OSError when the decode cannot be reached or the write fails."""
+        return self.pool.submit(self._send, peer, src_pages, dst_pages, aux, claim)
 
     def fail(self, peer: PeerRegistration, room: int, reason: str) -> None:
         """Tell a decode server that a room it registered will never get KV (best effort)."""
         self.pool.submit(self._notify, peer, RoomFailed(room, reason))
 
     def _send(
-        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord
+        self, peer: PeerRegistration, src_pages: list[int], dst_pages: list[int], aux: AuxRecord,
+        claim: Callable[[], None],
     ) -> Sent:
         began = time.monotonic()
         link = self._link(peer)
+        with self._idle:
+            self._writing += 1
         try:
             with link.lock:
-                nbytes = self.transfer.write(peer.decode_id, link.sock, src_pages, dst_pages, aux)
+                claim()  # raises when the room must not be written (the link is fine)
+                nbytes = self._write(peer, link, src_pages, dst_pages, aux)
+        finally:
+            with self._idle:
+                self._writing -= 1
+                self._idle.notify_all()
+        return Sent(aux.room, nbytes, time.monotonic() - began)
+
+    def _write(self, peer: PeerRegistration, link: _Link, src_pages: list[int],
+               dst_pages: list[int], aux: AuxRecord) -> int:
+        try:
+            return self.transfer.write(peer.decode_id, link.sock, src_pages, dst_pages, aux)
         except (OSError, TransferError):
             self._drop(peer.decode_id, link)
             raise
-        return Sent(aux.room, nbytes, time.monotonic() - began)
 
     def _notify(self, peer: PeerRegistration, frame: RoomFailed) -> None:
         try:
             link = self._link(peer)
             with link.lock:
                 send_frame(link.sock, frame)
-        except OSError as e:
+        except (OSError, TransferError) as e:
             log.info("could not tell %s that room %d failed: %s", peer.decode_id, frame.room, e)
 
     def _link(self, peer: PeerRegistration) -> _Link:
@@ -91,6 +114,11 @@ class KVSender:
             raise TransferError(f"cannot reach decode {peer.decode_id} at {addr}: {e}") from e
         sock.settimeout(SEND_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            open_link(sock, self.key, self.transfer.agent_name, peer.decode_id)
+        except OSError as e:
+            sock.close()
+            raise TransferError(f"decode {peer.decode_id} at {addr}: {e}") from e
         with self._lock:
             link = self.links.setdefault(peer.decode_id, _Link(sock, threading.Lock()))
         if link.sock is not sock:
@@ -105,6 +133,8 @@ class KVSender:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._idle:
+            self._idle.wait_for(lambda: self._writing == 0, CLOSE_WAIT_S)
         with self._lock:
             links, self.links = list(self.links.values()), {}
         for link in links:

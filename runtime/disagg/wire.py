@@ -7,6 +7,12 @@ big-endian length, a msgpack header (one of the dataclasses below), then `PagesF
 raw KV when the header is a PagesFrame (tcp backend). Frames of one link arrive in order, so a
 room's pages always land before its RoomDone. The nixl backend sends no PagesFrame or RoomDone:
 its WRITE's notification is the AuxRecord, encoded by the same codec.
+
+Everything here is checked on construction (`__post_init__`): field types as annotated and
+bounds (rooms are 63-bit, ids and texts short, page lists no longer than a pool can be), so a
+body or frame from the network either becomes a well-typed object or raises ValueError/TypeError
+(CodecError from the codec) before any of it is used. A frame header is bounded by the
+receiver's pool (`header_limit`): no allocation follows from an unchecked length.
 """
 
 from __future__ import annotations
@@ -17,9 +23,30 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from runtime.codec import Codec
+from runtime.strict import INT64_MAX, check_types, in_range, short_text
 
 _LEN = struct.Struct(">I")
-MAX_HEADER = 64 << 20
+MAX_PAGES = 1 << 24  # far above any pool's page count; bounds a page list before the pool does
+MAX_ID = 128  # decode ids, rids, hosts
+MAX_TEXT = 4096  # failure reasons, tickets
+MAX_INFO_BYTES = 1 << 20  # an aux record's customized_info, encoded
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def header_limit(num_pages: int) -> int:
+    """The largest frame header a pool of `num_pages` pages can need: a PagesFrame naming every
+    page (msgpack: at most 9 bytes an index) or a RoomDone with the largest aux record."""
+    return MAX_INFO_BYTES + 2 * MAX_TEXT + 9 * num_pages
+
+
+def _room(where: str, room: int) -> None:
+    in_range(where, room, 0, INT64_MAX)
+
+
+def _pages(where: str, pages: list[int]) -> None:
+    in_range(f"{where} length", len(pages), 0, MAX_PAGES)
+    if pages and not (min(pages) >= 0 and max(pages) < MAX_PAGES):
+        raise ValueError(f"{where}: page index outside [0, {MAX_PAGES})")
 
 
 @dataclass(frozen=True)
@@ -31,6 +58,14 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        for name, most in (("num_layers", 4096), ("page_size", 4096), ("num_kv_heads", 4096),
+                           ("head_dim", 4096)):
+            in_range(f"KVLayout.{name}", getattr(self, name), 1, most)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype: {self.dtype!r} is not one of {DTYPES}")
 
     @property
     def page_bytes(self) -> int:
@@ -56,6 +91,18 @@ class PeerRegistration:
     backend: str
     backend_info: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        short_text("PeerRegistration.decode_id", self.decode_id, MAX_ID, 1)
+        short_text("PeerRegistration.receiver_host", self.receiver_host, MAX_ID, 1)
+        in_range("PeerRegistration.receiver_port", self.receiver_port, 1, 65535)
+        short_text("PeerRegistration.backend", self.backend, MAX_ID, 1)
+        KVLayout(**self.layout)  # raises on a bad layout
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(**self.layout)
+
 
 @dataclass
 class RoomRequest:
@@ -66,6 +113,19 @@ class RoomRequest:
     rid: str
     prompt_len: int
     dst_pages: list[int]
+    wait_s: float = 300.0  # the decode waits this long for the KV; no write may start later
+    ticket: str | None = None  # the router's signed room ticket (runtime/auth/ticket.py)
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _room("RoomRequest.room", self.room)
+        short_text("RoomRequest.decode_id", self.decode_id, MAX_ID, 1)
+        short_text("RoomRequest.rid", self.rid, 2 * MAX_ID, 1)
+        in_range("RoomRequest.prompt_len", self.prompt_len, 1, (1 << 31) - 1)
+        _pages("RoomRequest.dst_pages", self.dst_pages)
+        in_range("RoomRequest.wait_s", self.wait_s, 0, 1e7)
+        if self.ticket is not None:
+            short_text("RoomRequest.ticket", self.ticket, MAX_TEXT)
 
 
 @dataclass
@@ -80,6 +140,17 @@ class AuxRecord:
     top_logprobs: list[list[float]] | None = None  # [[token id, logprob], ...]
     customized_info: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        _room("AuxRecord.room", self.room)
+        short_text("AuxRecord.rid", self.rid, 2 * MAX_ID)
+        in_range("AuxRecord.prompt_len", self.prompt_len, 0, (1 << 31) - 1)
+        in_range("AuxRecord.token", self.token, 0, (1 << 31) - 1)
+        if self.top_logprobs is not None:
+            in_range("AuxRecord.top_logprobs length", len(self.top_logprobs), 0, 1024)
+            if any(len(pair) != 2 for pair in self.top_logprobs):
+                raise ValueError("AuxRecord.top_logprobs: each entry is [token id, logprob]")
+
 
 @dataclass
 class PagesFrame:
@@ -89,6 +160,12 @@ class PagesFrame:
     dst_pages: list[int]
     nbytes: int
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        _room("PagesFrame.room", self.room)
+        _pages("PagesFrame.dst_pages", self.dst_pages)
+        in_range("PagesFrame.nbytes", self.nbytes, 0, 1 << 62)
+
 
 @dataclass
 class RoomDone:
@@ -96,11 +173,19 @@ class RoomDone:
 
     aux: AuxRecord
 
+    def __post_init__(self) -> None:
+        check_types(self)
+
 
 @dataclass
 class RoomFailed:
     room: int
     reason: str
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        _room("RoomFailed.room", self.room)
+        short_text("RoomFailed.reason", self.reason, MAX_TEXT)
 
 
 Frame = PagesFrame | RoomDone | RoomFailed
@@ -118,12 +203,20 @@ def send_frame(sock: socket.socket, frame: Frame, payload: list[memoryview] | No
         sock.sendall(part)
 
 
-def recv_frame(sock: socket.socket) -> Frame:
-    """The next frame's header (a PagesFrame's payload is still on the socket)."""
+class BadFrame(ValueError):
+    """A frame that is no frame of ours (undecodable, ill-typed, out of bounds, too long)."""
+
+
+def recv_frame(sock: socket.socket, limit: int) -> Frame:
+    """The next frame's header (a PagesFrame's payload is still on the socket); BadFrame when
+    it is longer than `limit` bytes (see `header_limit`) or not a well-formed frame."""
     (size,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    if size > MAX_HEADER:
-        raise LinkClosed(f"frame header of {size} bytes: not a baton peer")
-    frame: Frame = FRAMES.decode(recv_exact(sock, size))
+    if size > limit:
+        raise BadFrame(f"frame header of {size} bytes (at most {limit} here)")
+    try:
+        frame: Frame = FRAMES.decode(recv_exact(sock, size))
+    except ValueError as e:  # CodecError, and what a frame's own checks raise
+        raise BadFrame(str(e)) from e
     return frame
 
 

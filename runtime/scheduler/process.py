@@ -204,6 +204,7 @@ class SchedulerLoop:
                 bootstrap_host=msg.bootstrap_host,
                 bootstrap_port=msg.bootstrap_port,
                 bootstrap_room=msg.bootstrap_room,
+                bootstrap_ticket=msg.bootstrap_ticket,
             )
             self.role.add(req)
         except InvalidRequest as e:

@@ -21,6 +21,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     bootstrap_room: int | None = None
+    bootstrap_ticket: str | None = None  # the router's signed ticket for the room
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     # KV state (owned by KVCacheManager): table row, pages, and tokens whose KV is (being) written.

@@ -91,17 +91,22 @@ def build_role(
     """The role for `args.role`, its KV transport started (bootstrap server or receiver)."""
     if args.role == "colocated":
         return ColocatedRole(scheduler)
+    from runtime.auth.key import load_cluster_key, warn_if_open
+    from runtime.disagg.tally import Tally
     from runtime.disagg.transfer.base import create_transfer
 
-    name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"
+    key = load_cluster_key(args.disagg.cluster_key_file)
+    name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"  # the instance id peers know it by
     transfer = create_transfer(args.disagg.kv_transfer, pool, name)
+    tally = Tally()
     if args.role == "prefill":
         from runtime.disagg.bootstrap import BootstrapServer
         from runtime.disagg.prefill import PrefillRole
         from runtime.disagg.sender import KVSender
 
+        warn_if_open(key, f"prefill {name} (bootstrap port {args.disagg.bootstrap_port})")
         prefill: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.kv, transfer, KVSender(transfer), args.disagg, wake)
+            scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake)
         scheduler.handoff = prefill
         prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill)
         prefill.ready = True
@@ -111,12 +116,13 @@ def build_role(
     from runtime.disagg.receiver import KVReceiver
     from runtime.disagg.wire import PeerRegistration
 
-    receiver = KVReceiver(args.host, transfer, wake)
+    receiver = KVReceiver(args.host, args.disagg.kv_port, transfer, key, name, wake, tally)
+    warn_if_open(key, f"decode {name} (KV port {receiver.port})")
     me = PeerRegistration(name, advertise_host(args), receiver.port, asdict(transfer.layout),
                           transfer.name, transfer.local_info())
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
     decode: DecodeRole[Req] = DecodeRole(
         scheduler, scheduler.kv, transfer, PrefillClient(me, transfer), receiver, args.disagg,
-        wake, vocab_size)
+        wake, vocab_size, tally)
     return decode

@@ -35,6 +35,15 @@ class DisaggMetrics:
         )
         self.rooms = Gauge("baton_disagg_rooms", "Bootstrap rooms in flight by state", ["state"],
                            registry=r)
+        self.kv_plane = Counter(
+            "baton_kv_plane_events", "KV-plane refusals and contained late writes, by kind "
+            "(bad_link, bad_frame, refused_write, bad_call, late_write_contained)", ["kind"],
+            registry=r,
+        )
+        self.quarantined = Gauge(
+            "baton_kv_quarantined_pages", "Decode: KV pages of failed rooms kept back until no "
+            "write for them can land", registry=r,
+        )
 
     def update(self, stats: DisaggStats) -> None:
         self.transfers.inc(stats.transfers)
@@ -45,6 +54,9 @@ class DisaggMetrics:
             self.failures.labels(reason=reason).inc(n)
         for state in ("bootstrapping", "waiting_for_input", "transferring"):
             self.rooms.labels(state=state).set(stats.rooms.get(state, 0))
+        for kind, n in stats.kv_plane.items():
+            self.kv_plane.labels(kind=kind).inc(n)
+        self.quarantined.set(stats.quarantined_pages)
 
 
 class Metrics:

@@ -45,8 +45,8 @@ def start_pair(
         kw["env"] = env
     prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(bport), "--kv-transfer",
                             transfer, *extra, *prefill_extra, log_path=log_dir / "prefill.log", **kw)
-    decode = ServerProcess("--role", "decode", "--kv-transfer", transfer, *extra, *decode_extra,
-                           log_path=log_dir / "decode.log", **kw)
+    decode = ServerProcess("--role", "decode", "--kv-transfer", transfer, "--kv-port", "0", *extra,
+                           *decode_extra, log_path=log_dir / "decode.log", **kw)
     pair = Pair(prefill, decode, bport)
     try:
         prefill.wait_ready()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer, layout_of
-from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, recv_frame
+from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, header_limit, recv_frame
 from runtime.kvcache.pool import KVPool
 
 
@@ -46,17 +46,19 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
     receiver.on_arrival = arrivals.release
     sender.connect("decode", receiver.local_info())
     a, b = socket.socketpair()
+    me = sender.agent_name  # the prefill's instance id: its links and nixl agent carry it
+    limit = header_limit(dst.num_pages)
 
     def receive() -> None:
         if name == "tcp":
-            frame = recv_frame(b)
+            frame = recv_frame(b, limit)
             assert isinstance(frame, PagesFrame)
-            receiver.read_pages(frame, b)
-            done = recv_frame(b)
+            assert receiver.read_pages(frame, b, me)
+            done = recv_frame(b, limit)
             assert isinstance(done, RoomDone)
-            receiver.read_done(done.aux)
+            assert receiver.read_done(done.aux, me)
 
-    receiver.expect(77)
+    receiver.expect(77, dst_pages, me)
     t = threading.Thread(target=receive)
     t.start()
     nbytes = sender.write("decode", a, src_pages, dst_pages, aux_for(77))
@@ -70,12 +72,13 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
     receiver.discard(77)
     assert receiver.arrived(77) is None
     # a room nobody expects (it ended before its KV came) is not kept: it would leak
-    receiver.expect(79)
+    receiver.expect(79, [], me)
     for room in (78, 79):
         if name == "nixl":
             sender.write("decode", a, [], [], aux_for(room))
         else:
-            receiver.read_done(aux_for(room))
+            receiver._landed(room, True)  # (what read_pages of an empty page list leaves)
+            receiver.read_done(aux_for(room), me)
     assert arrivals.acquire(timeout=10)
     assert receiver.arrived(79) == aux_for(79) and receiver.arrived(78) is None
     a.close(), b.close()
@@ -107,6 +110,9 @@ def test_tcp_refuses_a_frame_that_does_not_fit() -> None:
     dst = pool(4)
     receiver = transfer("tcp", dst)
     a, b = socket.socketpair()
-    with pytest.raises(TransferError, match="out of range"):
-        receiver.read_pages(PagesFrame(1, [9], layout_of(dst).page_bytes), b)
+    page = layout_of(dst).page_bytes
+    with pytest.raises(TransferError, match="bytes for 1 pages"):
+        receiver.read_pages(PagesFrame(1, [0], page + 1), b, "p")
+    with pytest.raises(TransferError, match="a pool of 4 pages"):
+        receiver.read_pages(PagesFrame(1, [0] * 5, 5 * page), b, "p")
     a.close(), b.close()

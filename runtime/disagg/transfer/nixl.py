@@ -30,7 +30,7 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from runtime.device import bind_thread
-from runtime.disagg.transfer.base import KVTransfer, TransferError
+from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
 from runtime.disagg.wire import FRAMES, AuxRecord
 from runtime.kvcache.pool import KVPool
 
@@ -67,6 +67,7 @@ def _mem_type(pool: KVPool) -> tuple[str, int]:
 
 class NixlTransfer(KVTransfer):
     name = "nixl"
+    one_sided = True  # the prefill WRITEs into our pool: we cannot refuse a write at our door
 
     def __init__(self, pool: KVPool, agent_name: str) -> None:
         super().__init__(pool, agent_name)
@@ -140,7 +141,10 @@ class NixlTransfer(KVTransfer):
             self._wait(handle, state, room)
         finally:
             with self._lock:
-                self.agent.release_xfer_handle(handle)
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception as e:
+                    log.warning("nixl: releasing the WRITE of room %d: %s", room, e)
         return len(src_pages) * self.page_bytes
 
     def _wait(self, handle: Any, state: str, room: int) -> None:
@@ -148,20 +152,20 @@ class NixlTransfer(KVTransfer):
         while state != "DONE":
             if state == "ERR":
                 raise TransferError(f"nixl WRITE for room {room} failed")
-            if time.monotonic() > deadline:
-                raise TransferError(f"nixl WRITE for room {room} not done in {WRITE_TIMEOUT_S} s")
+            if time.monotonic() > deadline:  # releasing the handle tries to call it off
+                raise WriteInDoubt(f"nixl WRITE for room {room} not done in {WRITE_TIMEOUT_S} s")
             time.sleep(0.0002)
             with self._lock:
                 state = self.agent.check_xfer_state(handle)
 
-    def expect(self, room: int) -> None:
-        super().expect(room)
+    def expect(self, room: int, pages: list[int], peer: str | None = None) -> None:
+        super().expect(room, pages, peer)
         self._wake.set()
 
     def _progress_loop(self) -> None:
         bind_thread(self.pool.device)
         while not self._closed:
-            if not self._expected:
+            if not self._rooms:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
@@ -181,7 +185,7 @@ class NixlTransfer(KVTransfer):
                     log.error("nixl: a notification from %s is no aux record: %s", agent, e)
                     continue
                 if isinstance(aux, AuxRecord):
-                    self._arrive(aux)
+                    self._arrive(aux, agent)  # the sender's agent name is its instance id
 
     def close(self) -> None:
         self._closed = True

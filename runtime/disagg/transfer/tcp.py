@@ -6,6 +6,9 @@ socket I/O (`sendmsg` from the source pages, `recvmsg_into` the destination page
 from one pool to the other with no copy of ours; runs of adjacent pages travel as one piece. A
 pool on a GPU goes through host staging. The room's RoomDone (its aux record) follows its pages
 on the link, so it arrives when they are in place. The fallback where nixl is missing.
+Every write passes the decode's receiver, which admits it only into the pages of a room expected
+from that link's prefill (`KVTransfer._admit`, under the lock `revoke` takes): a refused room's
+bytes are read into a scratch buffer and dropped, so no late or foreign write lands.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from runtime.disagg.wire import AuxRecord, LinkClosed, PagesFrame, RoomDone, sen
 from runtime.kvcache.pool import KVPool
 
 IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (the kernel allows 1024)
+SKIP_CHUNK = 1 << 20
 
 
 def runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -35,6 +39,16 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
 def page_views(rows: torch.Tensor, pages: list[int]) -> list[memoryview]:
     """Memoryviews of these pages of the pool's page rows, in stream order (CPU pools)."""
     return [memoryview(rows[a:b].numpy()).cast("B") for a, b in runs(pages)]  # type: ignore[arg-type]
+
+
+def skip(sock: socket.socket, nbytes: int) -> None:
+    """Read `nbytes` off the link into a small scratch buffer (a refused room's pages)."""
+    scratch = memoryview(bytearray(min(nbytes, SKIP_CHUNK)))
+    while nbytes:
+        got = sock.recv_into(scratch[:min(nbytes, len(scratch))])
+        if got == 0:
+            raise LinkClosed("peer closed the link in the middle of a room's pages")
+        nbytes -= got
 
 
 def _advance(parts: list[memoryview], i: int, n: int) -> int:
@@ -84,21 +98,29 @@ class TcpTransfer(KVTransfer):
         send_frame(link, RoomDone(aux))  # behind the pages on the same ordered link
         return nbytes
 
-    def read_pages(self, frame: PagesFrame, link: socket.socket) -> None:
+    def read_pages(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:
         n = len(frame.dst_pages)
         page_bytes = self.layout.page_bytes
-        if frame.nbytes != n * page_bytes:
+        if n > self.pool.num_pages or frame.nbytes != n * page_bytes:
             raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
-                                f"{page_bytes} bytes")
-        if n and not 0 <= min(frame.dst_pages) <= max(frame.dst_pages) < self.pool.num_pages:
-            raise TransferError(f"room {frame.room}: page index out of range")
-        if self.on_cpu:
-            recv_views(link, page_views(self.rows, frame.dst_pages))
-        else:
-            staging = torch.empty((n, page_bytes), dtype=torch.uint8)
-            dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.rows.device)
-            recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
-            self.rows.index_copy_(0, dst, staging.to(self.rows.device))
+                                f"{page_bytes} bytes (a pool of {self.pool.num_pages} pages)")
+        if not self._admit(frame.room, frame.dst_pages, peer):
+            skip(link, frame.nbytes)  # not this room's pages, or not now: they land nowhere
+            return False
+        complete = False
+        try:
+            if self.on_cpu:
+                recv_views(link, page_views(self.rows, frame.dst_pages))
+            else:
+                staging = torch.empty((n, page_bytes), dtype=torch.uint8)
+                dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=self.rows.device)
+                recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
+                self.rows.index_copy_(0, dst, staging.to(self.rows.device))
+            complete = True
+        finally:
+            self._landed(frame.room, complete)
+        return True
 
-    def read_done(self, aux: AuxRecord) -> None:
-        self._arrive(aux)  # its pages came first on this link, and are in place
+    def read_done(self, aux: AuxRecord, peer: str) -> bool:
+        # its pages came first on this link: it counts only if they were admitted and complete
+        return self._arrive(aux, peer, written=True)

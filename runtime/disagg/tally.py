@@ -1,0 +1,22 @@
+"""Counts by kind, kept from any thread (the KV receiver's links, the bootstrap server's
+handlers) and taken by the role's poll into its DisaggStats."""
+
+from __future__ import annotations
+
+import threading
+
+
+class Tally:
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + n
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last take."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return counts
