@@ -27,13 +27,14 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic
 
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.lanes import Lanes
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
@@ -76,8 +77,10 @@ class DecodeRole(Generic[R]):
         self.rooms: dict[int, _Room[R]] = {}  # the scheduler loop's thread only
         self.by_rid: dict[str, int] = {}
         self.prealloc: deque[int] = deque()
-        self.workers = ThreadPoolExecutor(4, thread_name_prefix="decode-peers")
-        self.heartbeats = Heartbeats(self.client.alive, self.workers, self.config, self.wake)
+        self.lanes = Lanes("decode-peers")  # per prefill: a frozen one holds up only its own
+        self.heartbeats = Heartbeats(
+            self.client.alive, lambda addr, fn: self.lanes.submit((addr, "health"), fn, addr),
+            self.config, self.wake)
         self.transfer.on_arrival = self.wake
         self._aborted: list[R] = []
 
@@ -106,6 +109,8 @@ class DecodeRole(Generic[R]):
         self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
                                            if r.room.state is RoomState.FAILED)
         self.stats.count_kv_plane(self.tally.take())
+        watched = self._watched() | set(self.heartbeats.pending)
+        self.lanes.sweep({r.addr for r in self.rooms.values()} | {(a, "health") for a in watched})
         return touched
 
     def _take_failures(self, touched: list[R]) -> None:
@@ -159,7 +164,7 @@ class DecodeRole(Generic[R]):
                                       self.config.waiting_timeout_s, r.req.bootstrap_ticket)
                 self.transfer.expect(r.room.room, request.dst_pages)
                 r.exposed = True
-                r.registering = self.workers.submit(self.client.register_room, r.addr, request)
+                r.registering = self.lanes.submit(r.addr, self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
             elif r.room.waited() > self.config.bootstrap_timeout_s:
                 self._fail(r, f"no KV pages for room {r.room.room} within "
@@ -234,7 +239,7 @@ class DecodeRole(Generic[R]):
                 and r.cancel.result():
             return True
         if r.cancel is None or (r.cancel.done() and time.monotonic() >= r.cancel_at):
-            r.cancel = self.workers.submit(self.client.cancel_room, r.addr, r.room.room)
+            r.cancel = self.lanes.submit(r.addr, self.client.cancel_room, r.addr, r.room.room)
             r.cancel.add_done_callback(lambda _: self.wake())
             r.cancel_at = time.monotonic() + self.config.heartbeat_interval_s
         return False
@@ -271,6 +276,6 @@ class DecodeRole(Generic[R]):
 
     def close(self) -> None:
         self.receiver.close()
-        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.lanes.shutdown()
         self.client.close()
         self.transfer.close()

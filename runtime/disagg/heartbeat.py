@@ -1,15 +1,16 @@
 """Decode -> prefill heartbeats: a prefill that stops answering is declared gone.
 
-Every --heartbeat-interval-s the decode role asks each prefill it waits on for `/health` (on a
-worker thread); after --heartbeat-misses failures in a row, its rooms fail at once and their
-pages are freed (a dead process writes nothing more).
+Every --heartbeat-interval-s the decode role asks each prefill it waits on for `/health` (on
+that prefill's own lane, runtime/disagg/lanes.py); an answer that does not come within the
+interval is a miss. After --heartbeat-misses misses in a row its rooms fail at once; their pages
+are freed once no write for them can land (runtime/disagg/decode.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from runtime.config import DisaggConfig
 
@@ -20,11 +21,11 @@ class Heartbeats:
     def __init__(
         self,
         alive: Callable[[Address], bool],
-        workers: ThreadPoolExecutor,
+        submit: Callable[[Address, Callable[[Address], bool]], Future[bool]],
         config: DisaggConfig,
         wake: Callable[[], None],
     ) -> None:
-        self.alive, self.workers, self.config, self.wake = alive, workers, config, wake
+        self.alive, self.submit, self.config, self.wake = alive, submit, config, wake
         self.misses: dict[Address, int] = {}
         self.pending: dict[Address, Future[bool]] = {}
         self.next_at = 0.0
@@ -47,6 +48,6 @@ class Heartbeats:
         if now >= self.next_at:
             self.next_at = now + self.config.heartbeat_interval_s
             for addr in watched - set(self.pending):
-                self.pending[addr] = self.workers.submit(self.alive, addr)
+                self.pending[addr] = self.submit(addr, self.alive)
                 self.pending[addr].add_done_callback(lambda _: self.wake())
         return gone

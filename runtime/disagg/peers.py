@@ -31,10 +31,11 @@ class Ambiguous(TransferError):
 
 
 class PrefillClient:
-    def __init__(self, me: PeerRegistration, transfer: KVTransfer) -> None:
+    def __init__(self, me: PeerRegistration, transfer: KVTransfer, heartbeat_s: float) -> None:
         self.me = me
         self.transfer = transfer
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S)
+        self.heartbeat_s = min(heartbeat_s, HTTP_TIMEOUT_S)  # an answer later than this: a miss
         self.registered: dict[Address, str] = {}  # prefill address -> its instance id
         self._lock = threading.Lock()
 
@@ -75,7 +76,7 @@ class PrefillClient:
 
     def alive(self, addr: Address) -> bool:
         try:
-            return self.http.get(f"{_url(addr)}/health").status_code == 200
+            return self.http.get(f"{_url(addr)}/health", timeout=self.heartbeat_s).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -123,6 +123,6 @@ def build_role(
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
     decode: DecodeRole[Req] = DecodeRole(
-        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer), receiver, args.disagg,
+        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, args.disagg.heartbeat_interval_s), receiver, args.disagg,
         wake, vocab_size, tally)
     return decode
