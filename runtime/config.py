@@ -190,6 +190,10 @@ class ServerArgs:
     shutdown_grace_s: float = field(
         default=30.0, metadata=_help("on SIGTERM, in-flight requests get this long to finish")
     )
+    stall_timeout_s: float = field(
+        default=30.0, metadata=_help("/ready answers 503 once the scheduler process has been "
+                                     "silent this long (frozen or stuck; it speaks every second)")
+    )
     log_level: str = "info"
 
     @property

@@ -44,6 +44,7 @@ from runtime.scheduler.roles import ColocatedRole, Role, build_role
 log = logging.getLogger("baton.scheduler")
 
 IDLE_POLL_MS = 200
+ALIVE_EVERY_S = 1.0  # at least one message this often: the HTTP side's /ready counts on it
 ROLE_POLL_MS = 50  # rooms in flight: check their timeouts at least this often
 SHUTDOWN_MAX_STEPS = 10_000
 SHUTDOWN_ROLE_S = 10.0  # at shutdown, how long failed rooms may wait for their peer's word
@@ -95,6 +96,7 @@ class SchedulerLoop:
         self.active: set[str] = set()
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
+        self.last_sent = 0.0  # monotonic time of the last message to the HTTP process
         self.stopping = False
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -240,8 +242,10 @@ class SchedulerLoop:
         self._send(BatchOutput(outputs, self.last_stats))
 
     def _send_stats(self) -> None:
+        """Stats when they changed, and at least every ALIVE_EVERY_S: a breath of life."""
         stats = self.stats()  # takes the role's counters: they must go out now
-        if stats != self.last_stats or (stats.disagg is not None and stats.disagg.has_counts()):
+        due = time.monotonic() - self.last_sent >= ALIVE_EVERY_S
+        if due or stats != self.last_stats or (stats.disagg is not None and stats.disagg.has_counts()):
             self.last_stats = stats
             self._send(BatchOutput([], stats))
 
@@ -260,6 +264,7 @@ class SchedulerLoop:
 
     def _send(self, msg: Message) -> None:
         self.outbox.send(msg)
+        self.last_sent = time.monotonic()
 
     def close(self) -> None:
         self.role.close()

@@ -128,6 +128,9 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     async def ready() -> dict[str, Any]:
         if not tm.ready.is_set() or tm.unavailable is not None or tm.info is None:
             raise ApiError(503, tm.unavailable or "not ready", "service_unavailable", "not_ready")
+        stalled = tm.stalled()
+        if stalled is not None:  # the router takes us out until it speaks again
+            raise ApiError(503, stalled, "service_unavailable", "stalled")
         if tm.info.kv_transfer is None:
             return {"status": "ready"}
         return {"status": "ready", "kv_transfer": tm.info.kv_transfer}  # the router pairs by it

@@ -111,8 +111,9 @@ def _check(args: ServerArgs) -> list[str]:
     if fraction is not None and not args.engine.device.startswith("cuda"):
         problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
                         "(on the CPU, --max-total-tokens sets the pool)")
-    if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0:
-        problems.append("--request-timeout-s must be > 0 and --shutdown-grace-s >= 0")
+    if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0 or args.stall_timeout_s <= 0:
+        problems.append("--request-timeout-s and --stall-timeout-s must be > 0 and "
+                        "--shutdown-grace-s >= 0")
     d: DisaggConfig = args.disagg
     if min(d.bootstrap_timeout_s, d.waiting_timeout_s, d.heartbeat_interval_s) <= 0:
         problems.append("disagg timeouts and --heartbeat-interval-s must be > 0")

@@ -74,6 +74,7 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.unavailable: str | None = LOADING
         self.ready = asyncio.Event()
+        self.last_heard = time.monotonic()  # the scheduler's last message
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -117,6 +118,13 @@ class TokenizerManager:
         reason = FinishReason("abort", message=why).to_dict()
         for state in list(self.states.values()):
             self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
+
+    def stalled(self) -> str | None:
+        """Why the scheduler seems stuck (silent past --stall-timeout-s), or None."""
+        silent = time.monotonic() - self.last_heard
+        if self.info is None or silent <= self.args.stall_timeout_s:
+            return None
+        return f"the scheduler process has been silent for {silent:.0f} s (frozen or stuck)"
 
     # ---- tokenization -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -205,6 +213,7 @@ class TokenizerManager:
     async def _read_loop(self) -> None:
         while True:
             raw = await self._pull.recv()
+            self.last_heard = time.monotonic()
             try:
                 self._dispatch(decode(raw))
             except CodecError:

@@ -118,14 +118,6 @@ async def bystanders(http: httpx.AsyncClient, t: Trio, first: int,
     return list(await asyncio.gather(*(one(i) for i in range(len(BYSTANDERS)))))
 
 
-def scheduler_pid(srv: ServerProcess) -> int:
-    children = Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()
-    for pid in children:
-        if b"spawn" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return int(pid)
-    raise AssertionError(f"no scheduler process under {srv.proc.pid}: {children}")
-
-
 def rooms_waiting(url: str) -> float:
     return metric(url, 'baton_disagg_rooms{state="waiting_for_input"}')
 
@@ -142,7 +134,7 @@ def test_late_writes_of_a_prefill_declared_gone_land_nowhere(trio: Trio, mode: s
     disturb: Callable[[], None] = {
         "partition": partition.cut,
         "group": lambda: os.killpg(t.a.proc.pid, signal.SIGSTOP),
-        "scheduler": lambda: os.kill(scheduler_pid(t.a), signal.SIGSTOP),
+        "scheduler": lambda: os.kill(t.a.scheduler_pid(), signal.SIGSTOP),
     }[mode]
     thaw = partition.heal if mode == "partition" else (
         lambda: os.killpg(t.a.proc.pid, signal.SIGCONT))

@@ -70,6 +70,14 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def scheduler_pid(self) -> int:
+        """The scheduler process (multiprocessing spawn's child of the HTTP process)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+        raise AssertionError(f"no scheduler process under {self.proc.pid}: {children}")
+
     def kill(self) -> None:
         """SIGKILL the whole server (HTTP and scheduler processes) at once."""
         if self.proc.poll() is None:
