@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from typing import IO
 
 import httpx
 
+from runtime.auth.key import ENV as KEY_ENV
 from runtime.errors import error_message
 from runtime.lifecycle import die_with_parent
 
@@ -127,7 +129,11 @@ class Deployment:
         self.stopping = False
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # one cluster key for the router and workers (yours if $BATON_CLUSTER_KEY is set): room
+        # tickets, bootstrap calls and KV links are authenticated, as in a cluster
+        key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                   **{KEY_ENV: key})
         for child in self.children:
             child.start(env)
 

@@ -71,6 +71,7 @@ class SchedulerReady:
     kv_capacity_tokens: int
     max_running_requests: int
     kv_transfer: dict[str, Any] | None = None  # prefill/decode: backend and KV layout
+    instance_id: str | None = None  # prefill/decode: its KV instance (room tickets name it)
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Bootstrap(_Strict):
     bootstrap_host: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535), _INTEGRAL] | None = None
     bootstrap_room: Room | Annotated[list[Room], Field(min_length=1, max_length=256)] | None = None
+    bootstrap_ticket: Annotated[str, Field(max_length=4096)] | None = None  # runtime/auth/ticket.py
 
     def rooms(self, role: str, choices: int) -> list[int | None]:
         """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""

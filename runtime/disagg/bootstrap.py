@@ -23,7 +23,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+from runtime.auth.signed import HEADER, CallGate
+from runtime.auth.ticket import TicketRefused
 from runtime.disagg.rooms import RoomInUse
+from runtime.disagg.tally import Tally
 from runtime.disagg.wire import PeerRegistration, RoomRequest
 from runtime.errors import error_body
 
@@ -69,14 +72,23 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str, code: str) -> None:
         self._reply(status, error_body(message, "bootstrap_error", code))
 
-    def _json(self) -> dict[str, Any]:
+    def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
         if not 0 <= n <= MAX_BODY:
             raise BodyTooLarge(f"a body of {n} bytes (at most {MAX_BODY})")
-        body = json.loads(self.rfile.read(n) or b"{}")
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        return body
+        return self.rfile.read(n)
+
+    def _authorized(self, body: bytes) -> bool:
+        """A signed call of a decode of this deployment (runtime/auth/signed.py)? Else 401/403."""
+        problem = self.server.gate.problem(self.headers.get(HEADER), self.command, self.path, body)
+        if problem is None:
+            return True
+        status, why = problem
+        self.server.tally.add("bad_call")
+        log.warning("bootstrap: %s %s from %s refused: %s", self.command, self.path,
+                    self.client_address[0], why)
+        self._error(status, why, "unauthorized" if status == 401 else "forbidden")
+        return False
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -92,21 +104,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
-            body = self._json()
+            raw = self._body()
+            if self.path not in ("/peers", "/rooms"):
+                self._error(404, f"no route {self.path}", "not_found")
+                return
+            if not self._authorized(raw):
+                return
+            body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
             if self.path == "/peers":
                 info = self.server.rooms.register_peer(PeerRegistration(**body))
                 self._reply(200, {"backend_info": info})
-            elif self.path == "/rooms":
+            else:
                 self.server.rooms.offer_room(RoomRequest(**body))
                 self._reply(200, {"room": body["room"], "accepted": True})
-            else:
-                self._error(404, f"no route {self.path}", "not_found")
         except UnknownPeer as e:
             self._error(404, f"unknown decode server {e}; register with POST /peers", "unknown_peer")
         except RoomInUse as e:
             self._error(409, str(e), "room_in_use")
         except PeerRejected as e:
             self._error(409, str(e), "peer_rejected")
+        except TicketRefused as e:
+            self.server.tally.add("bad_call")
+            self._error(e.status, str(e), e.code)
         except BodyTooLarge as e:
             self.close_connection = True  # its body is still unread
             self._error(413, str(e), "body_too_large")
@@ -115,26 +136,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         prefix = "/rooms/"
-        if not self.path.startswith(prefix) or not self.path[len(prefix):].lstrip("-").isdigit():
+        room = self.path[len(prefix):]
+        if not self.path.startswith(prefix) or not room.isdigit() or len(room) > 19:
             self._error(404, f"no route {self.path}", "not_found")
             return
-        cancelled = self.server.rooms.cancel_room(int(self.path[len(prefix):]))
-        self._reply(200 if cancelled else 202, {"cancelled": cancelled})
+        if self._authorized(b""):
+            cancelled = self.server.rooms.cancel_room(int(room))
+            self._reply(200 if cancelled else 202, {"cancelled": cancelled})
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     rooms: Rooms
+    gate: CallGate
+    tally: Tally
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int, rooms: Rooms) -> None:
+    def __init__(self, host: str, port: int, rooms: Rooms, gate: CallGate, tally: Tally) -> None:
         try:
             self.httpd = _Server((host, port), _Handler)
         except OSError as e:
             raise OSError(f"bootstrap server cannot listen on {host}:{port}: {e} "
                           "(--bootstrap-port)") from e
-        self.httpd.rooms = rooms
+        self.httpd.rooms, self.httpd.gate, self.httpd.tally = rooms, gate, tally
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="bootstrap", daemon=True)
         self.thread.start()

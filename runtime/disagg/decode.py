@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic
 
+from runtime.auth.ticket import peer_of
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import R, SchedulerPort
@@ -162,7 +163,8 @@ class DecodeRole(Generic[R]):
                 request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
                                       len(r.req.origin_input_ids), list(r.req.kv_pages),
                                       self.config.waiting_timeout_s, r.req.bootstrap_ticket)
-                self.transfer.expect(r.room.room, request.dst_pages)
+                # the prefill the router's ticket names, or the one that answers at the address
+                self.transfer.expect(r.room.room, request.dst_pages, peer_of(r.req.bootstrap_ticket))
                 r.exposed = True
                 r.registering = self.lanes.submit(r.addr, self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
@@ -252,6 +254,7 @@ class DecodeRole(Generic[R]):
                        touched, "prefill_gone")
         for prefill in prefills - {None}:  # tcp: a write of its landing now breaks off
             self.receiver.close_links(prefill)  # type: ignore[arg-type]
+        self.client.forget(addr)  # whoever answers there next is introduced anew
 
     def _watched(self) -> set[Address]:
         return {r.addr for r in self.rooms.values() if r.exposed and not r.room.state.terminal}

@@ -8,6 +8,7 @@ that restarted on the same address is found again.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import asdict
@@ -15,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from runtime.auth.key import ClusterKey
+from runtime.auth.signed import sign_call
 from runtime.disagg.rooms import RoomInUse
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import KVLayout, PeerRegistration, RoomRequest
@@ -31,9 +34,11 @@ class Ambiguous(TransferError):
 
 
 class PrefillClient:
-    def __init__(self, me: PeerRegistration, transfer: KVTransfer, heartbeat_s: float) -> None:
+    def __init__(self, me: PeerRegistration, transfer: KVTransfer, key: ClusterKey,
+                 heartbeat_s: float) -> None:
         self.me = me
         self.transfer = transfer
+        self.key = key  # signs every state-changing call (runtime/auth/signed.py)
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S)
         self.heartbeat_s = min(heartbeat_s, HTTP_TIMEOUT_S)  # an answer later than this: a miss
         self.registered: dict[Address, str] = {}  # prefill address -> its instance id
@@ -44,16 +49,20 @@ class PrefillClient:
         the room is bound to that instance (`KVTransfer.bind_peer`: only its links may write
         the pages). Raises RoomInUse, TransferError (it refused or cannot be reached, or the
         room ended meanwhile: nothing will be written) or Ambiguous."""
-        for _ in range(2):
+        for attempt in range(2):
             instance = self._ensure_registered(addr)
             if not self.transfer.bind_peer(request.room, instance):
+                named = self.transfer.peer_of(request.room)
+                if named is not None and named != instance and attempt == 0:
+                    self.forget(addr)  # the ticket names a newer instance: look again
+                    continue
                 raise TransferError(f"room {request.room} is not for prefill {instance} at "
-                                    f"{_url(addr)} (it ended, or names another instance)")
+                                    f"{_url(addr)} (it ended, or its ticket names {named})")
             resp = self._call("POST", addr, "/rooms", asdict(request))
             if resp.status_code == 200:
                 return instance
             if resp.status_code == 404 and _code(resp) == "unknown_peer":
-                self._forget(addr)  # it restarted: introduce ourselves again
+                self.forget(addr)  # it restarted: introduce ourselves again
                 self.transfer.unbind_peer(request.room)  # to the new instance
                 continue
             if resp.status_code == 409 and _code(resp) == "room_in_use":
@@ -65,8 +74,9 @@ class PrefillClient:
 
     def cancel_room(self, addr: Address, room: int) -> bool:
         """True when the prefill promises not to write `room` (or cannot: it is gone)."""
+        path = f"/rooms/{room}"
         try:
-            resp = self.http.delete(f"{_url(addr)}/rooms/{room}")
+            resp = self.http.delete(f"{_url(addr)}{path}", headers=sign_call(self.key, "DELETE", path, b""))
         except httpx.HTTPError as e:
             if refused(e):
                 return True  # nothing listens there: the prefill closes its port last, so it is gone
@@ -107,18 +117,20 @@ class PrefillClient:
             self.registered[addr] = instance
         return instance
 
-    def _forget(self, addr: Address) -> None:
+    def forget(self, addr: Address) -> None:
         with self._lock:
             self.registered.pop(addr, None)
 
     def _call(self, method: str, addr: Address, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        raw = json.dumps(body).encode() if body is not None else b""
+        headers = {"Content-Type": "application/json", **sign_call(self.key, method, path, raw)}
         try:
-            return self.http.request(method, f"{_url(addr)}{path}", json=body)
+            return self.http.request(method, f"{_url(addr)}{path}", content=raw, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            self._forget(addr)
+            self.forget(addr)
             raise TransferError(f"prefill {_url(addr)} is unreachable: {e}") from e
         except httpx.HTTPError as e:
-            self._forget(addr)
+            self.forget(addr)
             raise Ambiguous(f"prefill {_url(addr)} did not answer {method} {path}: {e}") from e
 
     def close(self) -> None:

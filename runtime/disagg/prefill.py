@@ -31,11 +31,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
+from runtime.auth.key import ClusterKey
+from runtime.auth.ticket import check_room
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
 from runtime.disagg.sender import KVSender, Sent
+from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
@@ -66,6 +69,8 @@ class PrefillRole(Generic[R]):
     sender: KVSender
     config: DisaggConfig
     wake: Callable[[], None]
+    key: ClusterKey = field(default_factory=ClusterKey.none)
+    tally: Tally = field(default_factory=Tally)  # KV-plane events, from the bootstrap threads
     stats: DisaggStats = field(default_factory=DisaggStats)
 
     def __post_init__(self) -> None:
@@ -113,6 +118,8 @@ class PrefillRole(Generic[R]):
         return {}  # a decode needs nothing of ours: our pool's address never leaves
 
     def offer_room(self, request: RoomRequest) -> None:
+        check_room(self.key, request.ticket, request.room, request.rid, self.instance_id,
+                   request.decode_id)
         with self.lock:
             peer = self.peers.get(request.decode_id)
             if peer is None:
@@ -176,6 +183,7 @@ class PrefillRole(Generic[R]):
         for r in rooms:
             self._advance(r, touched)
         self.stats.rooms = count_states(r.room for r in self.rooms.values())
+        self.stats.count_kv_plane(self.tally.take())
         return touched
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:

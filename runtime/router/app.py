@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from runtime.auth.key import load_cluster_key, warn_if_open
 from runtime.router.config import DnsName, Role, RouterConfig
 from runtime.router.discovery import (
     Discovery,
@@ -58,6 +59,8 @@ class Router:
         self.health = HealthChecker(self.client, self.workers, self.metrics,
                                     config.health_interval_s, config.health_timeout_s,
                                     config.health_failures)
+        self.key = load_cluster_key(config.cluster_key_file)
+        warn_if_open(self.key, "the router (its workers take unsigned rooms)")
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -99,6 +102,7 @@ class Router:
             self.metrics.on_request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         log.debug("%s %s -> prefill %s, decode %s", endpoint, req.rid, prefill.url, decode.url)
+        req = req.signed(self.key, prefill, decode, self.config.ticket_ttl_s)
         return await forward(self.proxy, request, req, prefill, decode)
 
     async def abort(self, request: Request) -> JSONResponse:

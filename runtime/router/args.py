@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
+from runtime.auth.key import KeyProblem, load_cluster_key
 from runtime.router.config import (
     DEFAULT_BOOTSTRAP_PORT,
     DISCOVERY_MODES,
@@ -82,6 +83,9 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-capacity", type=_positive_int, default=DEFAULT.prefix_capacity,
                    help="prefix policy: prompt-prefix blocks remembered, LRU "
                    f"(default: {DEFAULT.prefix_capacity})")
+    p.add_argument("--cluster-key-file", default=None, metavar="PATH",
+                   help="the deployment's shared cluster key (else $BATON_CLUSTER_KEY): each "
+                   "request's rooms go to its workers with a signed room ticket")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
                    help=f"(default: {DEFAULT.log_level})")
 
@@ -98,6 +102,10 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         parser.error(str(e))
     if ns.discovery == "kubernetes":
         _check_kubernetes_flags(parser, ns)
+    try:
+        load_cluster_key(ns.cluster_key_file)
+    except KeyProblem as e:
+        parser.error(str(e))
     for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
                                  strict=True):
         if ns.discovery == "kubernetes":
@@ -116,6 +124,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
         prefix_min_chars=ns.prefix_min_chars,
         prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
+        cluster_key_file=ns.cluster_key_file,
     )
 
 

@@ -62,4 +62,6 @@ class RouterConfig:
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
     prefix_min_chars: int = 64  # shorter shared prefixes do not pin a prefill
     prefix_capacity: int = 65536  # prefix blocks remembered (LRU)
+    cluster_key_file: str | None = None  # else $BATON_CLUSTER_KEY: room tickets are signed
+    ticket_ttl_s: float = 60.0  # how long a worker accepts a room ticket after it was signed
     log_level: str = "info"

@@ -57,7 +57,7 @@ class HealthChecker:
             ready, why = response.status_code == 200, f"status {response.status_code}"
             worker.unanswered = 0
             if ready:
-                worker.kv_transfer = _kv_transfer(response)
+                worker.kv_transfer, worker.instance_id = _kv_transfer(response)
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -72,11 +72,14 @@ class HealthChecker:
         worker.ready = ready
 
 
-def _kv_transfer(response: httpx.Response) -> dict[str, Any] | None:
-    """A prefill/decode worker's backend and KV layout from its /ready body (None if absent)."""
+def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None]:
+    """A prefill/decode worker's backend and KV layout, and its instance id, from its /ready
+    body (None where absent)."""
     try:
         body = response.json()
     except ValueError:
-        return None
-    kv = body.get("kv_transfer") if isinstance(body, dict) else None
-    return kv if isinstance(kv, dict) else None
+        return None, None
+    if not isinstance(body, dict):
+        return None, None
+    kv, instance = body.get("kv_transfer"), body.get("instance_id")
+    return (kv if isinstance(kv, dict) else None), (instance if isinstance(instance, str) else None)

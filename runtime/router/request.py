@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
 
+from runtime.auth.key import ClusterKey
+from runtime.auth.ticket import sign
 from runtime.protocol import (
     AbortBody,
     ChatCompletionRequest,
@@ -39,14 +41,27 @@ class PDRequest:
     endpoint: str
     body: dict[str, Any]  # the client's body with `rid` and `bootstrap_room` set
     prompt: str | None  # the prompt as text, for the prefix policy
+    ticket: str | None = None  # signed for the pair it goes to (`signed`)
 
     @property
     def rid(self) -> str:
         return str(self.body["rid"])
 
+    def signed(self, key: ClusterKey, prefill: Worker, decode: Worker, ttl_s: float) -> PDRequest:
+        """This request with a room ticket for (prefill, decode) (runtime/auth/ticket.py);
+        as it is without a cluster key."""
+        if not key.enabled:
+            return self
+        ticket = sign(key, self.body["bootstrap_room"], self.rid, prefill.instance_id or "",
+                      prefill.host, prefill.bootstrap_port or 0, decode.instance_id or "", ttl_s)
+        return replace(self, ticket=ticket)
+
     def for_decode(self, prefill: Worker) -> dict[str, Any]:
-        return {**self.body, "bootstrap_host": prefill.host,
+        body = {**self.body, "bootstrap_host": prefill.host,
                 "bootstrap_port": prefill.bootstrap_port}
+        if self.ticket is not None:
+            body["bootstrap_ticket"] = self.ticket
+        return body
 
     def for_prefill(self, prefill: Worker) -> dict[str, Any]:
         body = self.for_decode(prefill)

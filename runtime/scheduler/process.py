@@ -121,6 +121,7 @@ class SchedulerLoop:
                 kv_capacity_tokens=kv.allocator.num_pages * kv.page_size,
                 max_running_requests=self.scheduler.config.max_running_requests,
                 kv_transfer=self.role.transfer.describe() if self.role.transfer else None,
+                instance_id=self.role.transfer.agent_name if self.role.transfer else None,
             )
         )
         self._send_stats()

@@ -100,15 +100,18 @@ def build_role(
     transfer = create_transfer(args.disagg.kv_transfer, pool, name)
     tally = Tally()
     if args.role == "prefill":
+        from runtime.auth.signed import CallGate
         from runtime.disagg.bootstrap import BootstrapServer
         from runtime.disagg.prefill import PrefillRole
         from runtime.disagg.sender import KVSender
 
         warn_if_open(key, f"prefill {name} (bootstrap port {args.disagg.bootstrap_port})")
         prefill: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake)
+            scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
+            tally)
         scheduler.handoff = prefill
-        prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill)
+        prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill,
+                                            CallGate(key), tally)
         prefill.ready = True
         return prefill
     from runtime.disagg.decode import DecodeRole
@@ -123,6 +126,6 @@ def build_role(
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
     decode: DecodeRole[Req] = DecodeRole(
-        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, args.disagg.heartbeat_interval_s), receiver, args.disagg,
+        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
         wake, vocab_size, tally)
     return decode

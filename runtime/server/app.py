@@ -133,7 +133,9 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
             raise ApiError(503, stalled, "service_unavailable", "stalled")
         if tm.info.kv_transfer is None:
             return {"status": "ready"}
-        return {"status": "ready", "kv_transfer": tm.info.kv_transfer}  # the router pairs by it
+        # the router pairs by kv_transfer and names instance_id in its room tickets
+        return {"status": "ready", "kv_transfer": tm.info.kv_transfer,
+                "instance_id": tm.info.instance_id}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -15,6 +15,7 @@ import types
 import typing
 from typing import Any
 
+from runtime.auth.key import KeyProblem, load_cluster_key
 from runtime.config import DisaggConfig, ServerArgs
 
 ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
@@ -117,4 +118,10 @@ def _check(args: ServerArgs) -> list[str]:
     d: DisaggConfig = args.disagg
     if min(d.bootstrap_timeout_s, d.waiting_timeout_s, d.heartbeat_interval_s) <= 0:
         problems.append("disagg timeouts and --heartbeat-interval-s must be > 0")
+    if not 0 <= d.kv_port < 65536:
+        problems.append("--kv-port must be in 0..65535 (0: any free port)")
+    try:
+        load_cluster_key(d.cluster_key_file)
+    except KeyProblem as e:
+        problems.append(str(e))
     return problems

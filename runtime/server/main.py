@@ -20,6 +20,8 @@ from types import FrameType
 
 import uvicorn
 
+from runtime.auth.key import load_cluster_key
+from runtime.auth.ticket import TicketGate
 from runtime.config import ServerArgs
 from runtime.lifecycle import make_ipc_dir
 from runtime.server.args import parse_server_args
@@ -70,7 +72,8 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
     from runtime.tokenizer import load_tokenizer
 
     model_path = resolve_model_path(args.model)
-    tm = TokenizerManager(args, None, ipc_dir, Metrics())
+    key = load_cluster_key(args.disagg.cluster_key_file)  # (the scheduler process reads its own)
+    tm = TokenizerManager(args, None, ipc_dir, Metrics(), TicketGate(key, args.role))
     log.info("starting the scheduler process (model %s)", model_path)
     proc = _spawn_scheduler(args, tm)  # loads the model while this process loads the tokenizer
     tm.tokenizer = load_tokenizer(model_path)

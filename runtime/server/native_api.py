@@ -47,7 +47,7 @@ def result(rid: str, d: Delta) -> dict[str, Any]:
 
 def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
     body.check()  # fail fast, naming the field
-    [room] = body.rooms(tm.args.role, 1)
+    [room] = tm.rooms(body, 1)
     ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
     params = dict(body.sampling_params or {})
     params["max_new_tokens"] = tm.budget(
@@ -63,6 +63,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         bootstrap_host=body.bootstrap_host,
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=room,
+        bootstrap_ticket=body.bootstrap_ticket,
     )
 
 

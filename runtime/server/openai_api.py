@@ -39,13 +39,12 @@ def check_model(tm: TokenizerManager, name: str) -> None:
 
 
 def _requests(
-    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
+    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]], rooms: list[int | None],
     max_new: int | None, top_logprobs: int | None, fields: tuple[str, str],
 ) -> list[GenerateRequest]:
-    """One scheduler request per choice; `fields` name the max-tokens field the client used
-    and its prompt (for a context overflow's 400)."""
+    """One scheduler request per choice (`rooms` has one each); `fields` name the max-tokens
+    field the client used and its prompt (for a context overflow's 400)."""
     base = body.rid or uuid.uuid4().hex
-    rooms = body.rooms(tm.args.role, len(prompts) * body.n)
     reqs = []
     for p, ids in enumerate(prompts):
         budget = tm.budget(len(ids), max_new, body.DEFAULT_MAX_TOKENS, *fields)
@@ -58,6 +57,7 @@ def _requests(
                 stream=body.stream, return_logprob=top_logprobs is not None,
                 top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
                 bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
+                bootstrap_ticket=body.bootstrap_ticket,
             ))
     return reqs
 
@@ -75,8 +75,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     tm = _tm(request)
     body.check()
     check_model(tm, body.model)
+    rooms = tm.rooms(body, len(body.prompts()) * body.n)
     prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-    reqs = _requests(tm, body, prompts, body.max_tokens, body.logprobs, ("max_tokens", "prompt"))
+    reqs = _requests(tm, body, prompts, rooms, body.max_tokens, body.logprobs,
+                     ("max_tokens", "prompt"))
     prompt_tokens = sum(len(p) for p in prompts)
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
@@ -116,10 +118,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tm = _tm(request)
     body.check()
     check_model(tm, body.model)
+    rooms = tm.rooms(body, body.n)
     ids = tm.encode_chat([m.flat() for m in body.messages])
     top = (body.top_logprobs or 0) if body.logprobs else None
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    reqs = _requests(tm, body, [ids], body.max_new_tokens, top, (asked, "messages"))
+    reqs = _requests(tm, body, [ids], rooms, body.max_new_tokens, top, (asked, "messages"))
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
         request, start(tm, reqs, tm.args.request_timeout_s, group))

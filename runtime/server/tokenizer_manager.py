@@ -18,6 +18,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.auth.key import ClusterKey
+from runtime.auth.ticket import TicketGate
 from runtime.codec import CodecError, decode, encode
 from runtime.config import ServerArgs
 from runtime.messages import (
@@ -32,6 +34,7 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
+from runtime.protocol import Bootstrap
 from runtime.server.metrics import Metrics
 from runtime.validation import InvalidRequest, context_overflow
 
@@ -63,8 +66,10 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, tokenizer: Any, ipc_dir: str, metrics: Metrics) -> None:
+    def __init__(self, args: ServerArgs, tokenizer: Any, ipc_dir: str, metrics: Metrics,
+                 tickets: TicketGate | None = None) -> None:
         self.args = args
+        self.tickets = tickets or TicketGate(ClusterKey.none(), args.role)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.to_scheduler = f"ipc://{ipc_dir}/to_scheduler"
@@ -125,6 +130,17 @@ class TokenizerManager:
         if self.info is None or silent <= self.args.stall_timeout_s:
             return None
         return f"the scheduler process has been silent for {silent:.0f} s (frozen or stuck)"
+
+    def rooms(self, body: Bootstrap, choices: int) -> list[int | None]:
+        """The request's bootstrap rooms, one per choice, once the router's ticket lets this
+        worker serve them: a 400 when they are missing, a 401/403 for the ticket (checked
+        before anything is tokenized or allocated)."""
+        rooms = body.rooms(self.args.role, choices)
+        if self.tickets.required:
+            me = self.info.instance_id if self.info is not None else None
+            self.tickets.admit(body.bootstrap_ticket, [r for r in rooms if r is not None],
+                               body.rid, body.bootstrap_host, body.bootstrap_port, me)
+        return rooms
 
     # ---- tokenization -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

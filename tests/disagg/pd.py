@@ -1,5 +1,7 @@
 """A prefill + decode pair of real `baton serve` processes, and a client that plays the router
-(same body to both sides with the bootstrap fields; the decode side's answer is the result)."""
+(same body to both sides with the bootstrap fields and, as the router does, a room ticket signed
+with the pair's cluster key: PD tests run with the key on; the decode side's answer is the
+result)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from runtime.auth.key import ENV, ClusterKey
+from runtime.auth.ticket import sign
 from tests.server.server_process import ServerProcess, free_port
 
 
@@ -21,33 +25,54 @@ class Pair:
     prefill: ServerProcess
     decode: ServerProcess
     bootstrap_port: int
+    key: str | None = None  # the cluster key both run with ($BATON_CLUSTER_KEY)
 
     def stop(self) -> None:
         for srv in (self.prefill, self.decode):
             if srv.proc.poll() is None:
                 srv.stop()
 
-    def fields(self, room: int | None = None, rid: str | None = None) -> dict[str, Any]:
-        return {"rid": rid or secrets.token_hex(8), "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": secrets.randbits(63) if room is None else room}
+    @property
+    def env(self) -> dict[str, str]:
+        """What a router in front of the pair needs: the key."""
+        return {ENV: self.key} if self.key else {}
+
+    def fields(self, room: int | list[int] | None = None, rid: str | None = None,
+               bootstrap_port: int | None = None) -> dict[str, Any]:
+        """The bootstrap fields the router would add, its room ticket included."""
+        rid = rid or secrets.token_hex(8)
+        room = secrets.randbits(63) if room is None else room
+        port = bootstrap_port or self.bootstrap_port
+        out = {"rid": rid, "bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+               "bootstrap_room": room}
+        if self.key:
+            out["bootstrap_ticket"] = sign(
+                ClusterKey(self.key.encode()), room, rid, instance_id(self.prefill), "127.0.0.1",
+                port, instance_id(self.decode))
+        return out
+
+
+def instance_id(srv: ServerProcess) -> str:
+    """A prefill/decode worker's KV instance id, from its /ready (as the router reads it)."""
+    return str(httpx.get(f"{srv.url}/ready").json()["instance_id"])
 
 
 def start_pair(
     log_dir: Path, transfer: str, *extra: str, model: str | None = None,
     prefill_extra: tuple[str, ...] = (), decode_extra: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, key: bool = True,
 ) -> Pair:
-    """Both servers load at once; returns when both are ready."""
+    """Both servers load at once (with a fresh cluster key unless `key` is False); returns when
+    both are ready."""
     bport = free_port()
+    secret = secrets.token_hex(32) if key else None
     kw: dict[str, Any] = {"model": model} if model else {}
-    if env:
-        kw["env"] = env
+    kw["env"] = {**(env or {}), **({ENV: secret} if secret else {})}
     prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(bport), "--kv-transfer",
                             transfer, *extra, *prefill_extra, log_path=log_dir / "prefill.log", **kw)
     decode = ServerProcess("--role", "decode", "--kv-transfer", transfer, "--kv-port", "0", *extra,
                            *decode_extra, log_path=log_dir / "decode.log", **kw)
-    pair = Pair(prefill, decode, bport)
+    pair = Pair(prefill, decode, bport, secret)
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -62,7 +87,7 @@ def restart_prefill(pair: Pair, log_dir: Path, transfer: str, *extra: str, model
     kw: dict[str, Any] = {"model": model} if model else {}
     pair.prefill = ServerProcess("--role", "prefill", "--bootstrap-port", str(pair.bootstrap_port),
                                  "--kv-transfer", transfer, *extra, port=pair.prefill.port,
-                                 log_path=log_dir / "prefill2.log", **kw)
+                                 log_path=log_dir / "prefill2.log", env=pair.env, **kw)
     pair.prefill.wait_ready()
 
 

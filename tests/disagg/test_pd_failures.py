@@ -85,7 +85,8 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
             # a decode request waits in its room; a second one with the same room is refused
             waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
             await asyncio.sleep(0.5)
-            again = await http.post(f"{pair.decode.url}/generate", json={**body, "rid": "other"})
+            again = await http.post(f"{pair.decode.url}/generate", json={
+                **body, **pair.fields(body["bootstrap_room"], rid="other")})
             p_first = await http.post(f"{pair.prefill.url}/generate", json=body)
             return again, p_first, await waiting
     again, p_first, done = asyncio.run(dup())
@@ -100,7 +101,8 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
         async with httpx.AsyncClient(timeout=30) as http:
             first = asyncio.ensure_future(http.post(f"{pair.prefill.url}/generate", json=body))
             await asyncio.sleep(0.5)
-            again = await http.post(f"{pair.prefill.url}/generate", json={**body, "rid": "x2"})
+            again = await http.post(f"{pair.prefill.url}/generate", json={
+                **body, **pair.fields(body["bootstrap_room"], rid="x2")})
             done = await http.post(f"{pair.decode.url}/generate", json=body)
             return [again, await first, done]
     again, first, done = asyncio.run(twice())
@@ -193,7 +195,8 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
     start; a request sent to the pair directly fails at first contact, freeing both sides."""
     pair = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path), decode_extra=("--page-size", "8"))
     router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
-                          "--decode", pair.decode.url, log_path=tmp_path / "router.log", ready=False)
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log", ready=False,
+                          env=pair.env)
     try:
         why = f"prefill {pair.prefill.url} vs decode {pair.decode.url}: KV page_size 16 vs 8"
         eventually(lambda: why in _text(f"{router.url}/ready"))
@@ -216,7 +219,8 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
 def test_decode_killed_mid_stream_through_the_router(pair: Pair, tmp_path: Path) -> None:
     """The client gets an in-band error and [DONE], never a hang; the prefill keeps no KV."""
     router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
-                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log",
+                          env=pair.env)
     try:
         body = {"text": "Tell me a long story", "stream": True,
                 "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
@@ -244,7 +248,8 @@ def test_random_client_disconnects_through_the_router_leave_no_kv(shared: Pair, 
     pools are empty and the pair still serves."""
     pair = shared
     router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
-                          "--decode", pair.decode.url, log_path=tmp_path / "router.log")
+                          "--decode", pair.decode.url, log_path=tmp_path / "router.log",
+                          env=pair.env)
     rng = random.Random(3)
 
     async def one(http: httpx.AsyncClient, drop_after: int | None) -> None:

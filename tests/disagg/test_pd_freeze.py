@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
+from runtime.auth.key import ENV, ClusterKey
+from runtime.auth.ticket import sign
 from tests.disagg.partition import Partition
-from tests.disagg.pd import tiny_model
+from tests.disagg.pd import instance_id, tiny_model
 from tests.disagg.test_pd_failures import eventually, kv_free, metric
 from tests.server.server_process import ServerProcess, free_port
 
@@ -45,9 +48,21 @@ class Trio:
     a_bootstrap: int
     b_bootstrap: int
     backend: str
+    key: str
 
     def servers(self) -> list[ServerProcess]:
         return [self.a, self.b, self.d]
+
+    def body(self, text: str, prefill: ServerProcess, bootstrap_port: int, room: int, *,
+             stream: bool = False, new_tokens: int = 8) -> dict[str, Any]:
+        """What the router sends for a (prefill, D) pair, its signed room ticket included."""
+        rid = f"r{room}"
+        ticket = sign(ClusterKey(self.key.encode()), room, rid, instance_id(prefill),
+                      "127.0.0.1", bootstrap_port, instance_id(self.d))
+        return {"text": text, "rid": rid, "stream": stream, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap_port, "bootstrap_room": room,
+                "bootstrap_ticket": ticket, "sampling_params": {
+                    "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +82,17 @@ def trio(request: pytest.FixtureRequest, sharp_path: Path,
     if backend == "nixl":
         pytest.importorskip("nixl")
     logs = tmp_path_factory.mktemp(f"freeze-{backend}")
-    ports = free_port(), free_port()
+    ports, key = (free_port(), free_port()), secrets.token_hex(32)
     common = ("--kv-transfer", backend, *FLAGS)
     a, b = (ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *common,
-                          model=str(sharp_path), log_path=logs / f"prefill-{name}.log")
+                          model=str(sharp_path), log_path=logs / f"prefill-{name}.log",
+                          env={ENV: key})
             for name, port in zip("ab", ports, strict=True))
     # its allocator hands out the pages freed last first: the bystanders' prompts get the pages
     # the victims held, if they are freed
     d = ServerProcess("--role", "decode", "--kv-port", "0", *common, model=str(sharp_path),
-                      log_path=logs / "decode.log")
-    t = Trio(a, b, d, *ports, backend)
+                      log_path=logs / "decode.log", env={ENV: key})
+    t = Trio(a, b, d, *ports, backend, key)
     try:
         for srv in t.servers():
             srv.wait_ready()
@@ -88,19 +104,13 @@ def trio(request: pytest.FixtureRequest, sharp_path: Path,
                 srv.stop()
 
 
-def body(text: str, bootstrap_port: int, room: int, *, stream: bool = False,
-         new_tokens: int = 8) -> dict[str, Any]:
-    return {"text": text, "rid": f"r{room}", "stream": stream, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap_port, "bootstrap_room": room,
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
-
-
 async def bystanders(http: httpx.AsyncClient, t: Trio, first: int,
                      started: asyncio.Event | None = None) -> list[list[int]]:
     """The bystander prompts through (B, D), streamed; their output ids."""
 
     async def one(i: int) -> list[int]:
-        b = body(BYSTANDERS[i], t.b_bootstrap, first + i, stream=True, new_tokens=NEW_TOKENS)
+        b = t.body(BYSTANDERS[i], t.b, t.b_bootstrap, first + i, stream=True,
+                   new_tokens=NEW_TOKENS)
         p = asyncio.ensure_future(http.post(f"{t.b.url}/generate", json={**b, "stream": False}))
         ids: list[int] = []
         async with http.stream("POST", f"{t.d.url}/generate", json=b) as resp:
@@ -143,7 +153,7 @@ def test_late_writes_of_a_prefill_declared_gone_land_nowhere(trio: Trio, mode: s
     async def run() -> tuple[list[list[int]], list[list[int]], list[Any], list[httpx.Response]]:
         async with httpx.AsyncClient(timeout=120) as http:
             undisturbed = await bystanders(http, t, room)
-            victims = [body(VICTIM, a_port, room + 100 + i) for i in range(4)]
+            victims = [t.body(VICTIM, t.a, a_port, room + 100 + i) for i in range(4)]
             on_d = [asyncio.ensure_future(http.post(f"{t.d.url}/generate", json=v))
                     for v in victims]
             await until(lambda: rooms_waiting(t.d.url) == 4, "D's rooms registered with A")

@@ -27,11 +27,12 @@ FAST = ("--health-interval-s", "0.2", "--health-timeout-s", "2", "--dns-refresh-
 
 
 class RouterProcess:
-    def __init__(self, *args: str, log_path: Path, fast: bool = True) -> None:
+    def __init__(self, *args: str, log_path: Path, fast: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         cmd = [str(BATON), "router", "--host", "127.0.0.1", "--port", str(self.port),
                *(FAST if fast else ()), *args]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -70,6 +71,7 @@ class RouterProcess:
             self._log.close()
 
 
-def start_router(*args: str, log_path: Path, ready: bool = True) -> RouterProcess:
-    router = RouterProcess(*args, log_path=log_path)
+def start_router(*args: str, log_path: Path, ready: bool = True,
+                 env: dict[str, str] | None = None) -> RouterProcess:
+    router = RouterProcess(*args, log_path=log_path, env=env)
     return router.wait_ready() if ready else router
