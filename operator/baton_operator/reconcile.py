@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton_operator import API_VERSION, KIND
-from baton_operator.apply import NameConflict, apply, delete_owned
+from baton_operator.apply import NameConflict, apply, check_controller, delete_owned
 from baton_operator.builders import ChildKey, build_children, child_name, optional_children
 from baton_operator.builders.access import router_account
+from baton_operator.builders.cluster_key import build_cluster_key, ensure_cluster_key
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
 from baton_operator.spec import ROLES, InferenceService, InvalidSpec, parse_service
@@ -78,6 +79,7 @@ def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> 
     """Create or restore every wanted child we may write; delete optional ones we own and no
     longer want. Conflicts and rejections are collected; other API errors propagate."""
     result = PassResult()
+    _ensure_key(kube, svc, result)
     children = build_children(svc)
     # The router runs as the ServiceAccount this service owns; no template can name it.
     router = dataclasses.replace(
@@ -95,6 +97,22 @@ def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> 
                 kube, api_version, kind, svc.namespace, name, svc.uid):
             result.changes.append(Change(kind, name, "deleted"))
     return result
+
+
+def _ensure_key(kube: Kube, svc: InferenceService, result: PassResult) -> None:
+    """The service's cluster-key Secret (builders/cluster_key.py): created once, never
+    rewritten; one held by anything else is a conflict, as for any child."""
+    secret = build_cluster_key(svc)
+    name = secret["metadata"]["name"]
+    try:
+        live, created = ensure_cluster_key(kube, svc)
+        check_controller(live, secret, svc.uid)
+    except NameConflict as e:
+        result.problems.append(Problem("NameConflict", str(e)))
+        result.conflicts.append(("v1", "Secret", name))
+        return
+    if created:
+        result.changes.append(Change("Secret", name, "created"))
 
 
 def _apply_child(kube: Kube, child: Mapping[str, Any], svc: InferenceService,

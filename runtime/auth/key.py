@@ -1,7 +1,8 @@
 """The cluster key: one secret shared by the router and the workers of one deployment.
 
-Read once at start-up from `--cluster-key-file PATH` (the operator mounts a Secret there) or
-`BATON_CLUSTER_KEY` (`baton up` sets it for its children). Every use derives its own subkey
+Read once at start-up from `--cluster-key-file PATH` or `$BATON_CLUSTER_KEY_FILE` (the operator
+mounts the service's Secret and points that there), or `$BATON_CLUSTER_KEY` (`baton up` sets it
+for its children). Every use derives its own subkey
 (`mac(purpose, ...)`), so a MAC made for one purpose never verifies for another. Without a key
 (a developer's processes) `ClusterKey.none()` stands in: nothing is required, and MACs made with
 the empty key still bind the ids they name (the KV link handshake runs either way).
@@ -22,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV = "BATON_CLUSTER_KEY"
+FILE_ENV = "BATON_CLUSTER_KEY_FILE"  # where the operator mounts the service's Secret
 MIN_BYTES = 16
 
 
@@ -57,13 +59,16 @@ class ClusterKey:
 
 
 def load_cluster_key(path: str | None, env: Mapping[str, str] = os.environ) -> ClusterKey:
-    """The key from `path`, else from $BATON_CLUSTER_KEY, else none (with a loud warning)."""
+    """The key from the file at `path` (else at $BATON_CLUSTER_KEY_FILE), else from
+    $BATON_CLUSTER_KEY, else none."""
+    flag = "--cluster-key-file" if path else f"${FILE_ENV}"
+    path = path or env.get(FILE_ENV)
     if path:
         try:
             secret = Path(path).read_bytes().strip()
         except OSError as e:
-            raise KeyProblem(f"--cluster-key-file {path}: {e.strerror or e}") from e
-        where = f"--cluster-key-file {path}"
+            raise KeyProblem(f"{flag} {path}: {e.strerror or e}") from e
+        where = f"{flag} {path}"
     elif env.get(ENV):
         secret, where = env[ENV].strip().encode(), f"${ENV}"
     else:

@@ -46,6 +46,7 @@ NAMESPACED_RULES = {
     ("rbac.authorization.k8s.io", "rolebindings"): OPTIONAL_CHILD_VERBS,
     ("", "pods"): {"get", "list", "watch"},  # only to grant them to the router's Role
     ("", "events"): {"create"},
+    ("", "secrets"): {"get", "create"},  # each service's cluster key; no list/watch of Secrets
 }
 
 

@@ -9,8 +9,9 @@ What a pod gets here, and how it differs from a node:
   environment is IMAGE_ENV plus $PATH/$PYTHONPATH;
 - `env` values, and `valueFrom.fieldRef` of status.podIP, status.hostIP, metadata.name,
   metadata.namespace, spec.serviceAccountName (the downward API);
-- an emptyDir for each such volume: a fresh folder; with no mount namespace, an env value
-  under a mountPath (HOME=/tmp, XDG_CACHE_HOME=/cache) is pointed into that folder;
+- an emptyDir for each such volume: a fresh folder, and for a secret volume a folder with a
+  file per key of the Secret, read from the API; with no mount namespace, an env value under a
+  mountPath (HOME=/tmp, BATON_CLUSTER_KEY_FILE=/etc/baton/...) is pointed into that folder;
 - its ServiceAccount's token as $KUBECONFIG (kubelet mounts it under
   /var/run/secrets/kubernetes.io/serviceaccount, which cannot be mounted here), unless
   automountServiceAccountToken is false;
@@ -18,11 +19,12 @@ What a pod gets here, and how it differs from a node:
   same address; SIGTERM on deletion, SIGKILL for the whole process group after
   terminationGracePeriodSeconds.
 Refused with a clear message (the pod stays not ready): init containers, more than one
-container, volumes other than emptyDir, env from Secrets or ConfigMaps.
+container, volumes other than emptyDir and secret, env from Secrets or ConfigMaps.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import re
@@ -211,15 +213,37 @@ class Pod:
         """mountPath -> the folder that stands for it."""
         kinds = {}
         for volume in self.spec.get("volumes") or []:
-            if "emptyDir" not in volume:
-                raise Unsupported(f"volume {volume['name']}: only emptyDir volumes are supported")
-            kinds[volume["name"]] = self.root / "volumes" / volume["name"]
+            if "secret" in volume:
+                kinds[volume["name"]] = self._secret_volume(volume)
+            elif "emptyDir" in volume:
+                kinds[volume["name"]] = self.root / "volumes" / volume["name"]
+            else:
+                raise Unsupported(f"volume {volume['name']}: only emptyDir and secret volumes "
+                                  "are supported")
         mounts = {}
         for mount in self.container.get("volumeMounts") or []:
             folder = kinds[mount["name"]]
             folder.mkdir(parents=True, exist_ok=True)
             mounts[mount["mountPath"]] = folder
         return mounts
+
+    def _secret_volume(self, volume: Mapping[str, Any]) -> Path:
+        """A folder with one file per key of the Secret, as kubelet projects it (the Secret
+        must exist: kubelet too waits for it)."""
+        source = volume["secret"]
+        answer = httpx.get(f"{self.api_url}/api/v1/namespaces/{self.namespace}/secrets/"
+                           f"{source['secretName']}", headers={"Authorization": "Bearer runner"},
+                           timeout=10, trust_env=False)
+        if answer.status_code != 200:
+            raise Unsupported(f"volume {volume['name']}: secret {source['secretName']} is not "
+                              f"readable yet ({answer.status_code})")
+        folder = self.root / "volumes" / volume["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, value in (answer.json().get("data") or {}).items():
+            path = folder / key
+            path.write_bytes(base64.b64decode(value))
+            path.chmod(int(source.get("defaultMode", 0o644)))
+        return folder
 
     def _env_value(self, var: Mapping[str, Any], env: Mapping[str, str],
                    mounts: Mapping[str, Path]) -> str:

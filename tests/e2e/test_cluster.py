@@ -171,6 +171,13 @@ def test_streamed_chat_through_the_router_pod_equals_colocated(
     got_ids = httpx.post(f"{url}/generate", json=body, timeout=120, trust_env=False).json()
     want_ids = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
     assert got_ids["output_ids"] == want_ids["output_ids"], (got_ids, want_ids)
+    # the pods run with the service's cluster key (its Secret, mounted): a worker takes no
+    # room that the router did not sign
+    (decode,) = pods(cluster, "decode")
+    forged = {**body, "bootstrap_host": "127.0.0.9", "bootstrap_port": 8998, "bootstrap_room": 1}
+    r = httpx.post(f"http://{decode['status']['podIP']}:8000/generate", json=forged, timeout=30,
+                   trust_env=False)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "ticket_required", r.text
 
 
 def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,

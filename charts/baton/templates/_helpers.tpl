@@ -100,6 +100,11 @@ app.kubernetes.io/component: operator
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch, delete]
 {{- end }}
+# Each service's cluster key: made once (never rewritten, never read back in bulk: no list or
+# watch of Secrets); the garbage collector deletes it with its service.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
 # The router's Role (spec.router.discovery: kubernetes) grants these; RBAC lets only a holder
 # grant a permission (no `escalate`/`bind` needed). The operator itself never reads pods.
 - apiGroups: [""]

@@ -10,10 +10,13 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from baton_operator.builders import cluster_key
 from baton_operator.builders.access import router_account
 from baton_operator.builders.common import (
     BOOTSTRAP_PORT,
     HTTP_PORT,
+    KV_PORT,
+    UCX_PORTS,
     labels,
     selector_labels,
     service_host,
@@ -59,6 +62,8 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
            "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     if role == "prefill":
         cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
+    else:
+        cmd += ["--kv-port", str(KV_PORT)]
     cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
     return cmd + list(svc.pool(role).args)
 
@@ -85,20 +90,21 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`)."""
     pool = svc.pool(role)
     volumes, mounts, init = _model_source(svc)
-    ports = [_port("http", HTTP_PORT)]
-    if role == "prefill":
-        ports.append(_port("bootstrap", BOOTSTRAP_PORT))
-    container = _container(svc, serve_command(svc, role), ports, pool.resources,
-                           (POD_IP_ENV, *pool.env),
+    # every port of the KV plane is declared: bootstrap (prefill), KV receiver (decode), and
+    # UCX's TCP listeners confined to a range (nixl)
+    ports = [_port("http", HTTP_PORT),
+             _port("bootstrap", BOOTSTRAP_PORT) if role == "prefill" else _port("kv", KV_PORT)]
+    env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc), *pool.env)
+    container = _container(svc, serve_command(svc, role), ports, pool.resources, env,
                            mounts=[*_scratch_mounts(), {"name": "dshm", "mountPath": "/dev/shm"},
-                                   *mounts],
+                                   cluster_key.key_mount(), *mounts],
                            startup=WORKER_STARTUP)
     spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [*_scratch_volumes(),
                     {"name": "dshm", "emptyDir": {"medium": "Memory",
                                                   "sizeLimit": pool.shared_memory_size}},
-                    *volumes],
+                    cluster_key.key_volume(svc), *volumes],
         "terminationGracePeriodSeconds": 60,
         **_pod_basics(),
     }
@@ -116,9 +122,10 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
 
 def build_router_pod(svc: InferenceService) -> dict[str, Any]:
     container = _container(svc, router_command(svc), [_port("http", HTTP_PORT)],
-                           svc.router.resources, svc.router.env,
-                           mounts=_scratch_mounts(), startup=ROUTER_STARTUP)
-    spec = {"containers": [container], "volumes": _scratch_volumes(),
+                           svc.router.resources, (cluster_key.ENV, *svc.router.env),
+                           mounts=[*_scratch_mounts(), cluster_key.key_mount()],
+                           startup=ROUTER_STARTUP)
+    spec = {"containers": [container], "volumes": [*_scratch_volumes(), cluster_key.key_volume(svc)],
             "terminationGracePeriodSeconds": 30, **_pod_basics()}
     if svc.router.discovery == "kubernetes":  # it reads pods with its own ServiceAccount
         spec.update(serviceAccountName=router_account(svc), automountServiceAccountToken=True)
@@ -235,6 +242,12 @@ def _scratch_volumes() -> list[dict[str, Any]]:
 
 def _scratch_mounts() -> list[dict[str, Any]]:
     return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+
+
+def _ucx_env(svc: InferenceService) -> tuple[dict[str, str], ...]:
+    if svc.kv_backend != "nixl":
+        return ()
+    return ({"name": "UCX_TCP_PORT_RANGE", "value": UCX_PORTS},)
 
 
 def _port(name: str, port: int) -> dict[str, Any]:
