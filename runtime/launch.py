@@ -128,12 +128,12 @@ class Deployment:
         self.children = children
         self.stopping = False
 
-    def start(self) -> None:
-        # one cluster key for the router and workers (yours if $BATON_CLUSTER_KEY is set): room
-        # tickets, bootstrap calls and KV links are authenticated, as in a cluster
-        key = os.environ.get(KEY_ENV) or secrets.token_hex(32)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-                   **{KEY_ENV: key})
+    def start(self, key: str | None) -> None:
+        """Start every child, with cluster key `key` (None: none, as a bare `baton serve`)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env.pop(KEY_ENV, None)
+        if key is not None:
+            env[KEY_ENV] = key
         for child in self.children:
             child.start(env)
 
@@ -230,7 +230,9 @@ def main(argv: list[str]) -> int:
     print(f"baton up: {args.prefill} prefill + {args.decode} decode + router, model "
           f"{args.model}, KV transfer {args.kv_transfer}; logs in {log_dir}", flush=True)
     try:
-        deployment.start()
+        # one cluster key for the router and workers (yours if $BATON_CLUSTER_KEY is set): room
+        # tickets, bootstrap calls and KV links are authenticated, as in a cluster
+        deployment.start(os.environ.get(KEY_ENV) or secrets.token_hex(32))
         deployment.wait_ready()
         print(banner(deployment.children[-1].url, args.model, log_dir), flush=True)
         return deployment.watch()

@@ -47,6 +47,8 @@ from runtime.messages import DisaggStats
 
 log = logging.getLogger(__name__)
 
+SWEEP_S = 10.0  # how often lanes no room needs are shut down
+
 
 @dataclass(eq=False)
 class _Room(Generic[R]):
@@ -79,6 +81,7 @@ class DecodeRole(Generic[R]):
         self.by_rid: dict[str, int] = {}
         self.prealloc: deque[int] = deque()
         self.lanes = Lanes("decode-peers")  # per prefill: a frozen one holds up only its own
+        self.sweep_at = 0.0
         self.heartbeats = Heartbeats(
             self.client.alive, lambda addr, fn: self.lanes.submit((addr, "health"), fn, addr),
             self.config, self.wake)
@@ -110,8 +113,11 @@ class DecodeRole(Generic[R]):
         self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
                                            if r.room.state is RoomState.FAILED)
         self.stats.count_kv_plane(self.tally.take())
-        watched = self._watched() | set(self.heartbeats.pending)
-        self.lanes.sweep({r.addr for r in self.rooms.values()} | {(a, "health") for a in watched})
+        if time.monotonic() >= self.sweep_at:  # lanes of prefills no room needs any more
+            self.sweep_at = time.monotonic() + SWEEP_S
+            watched = self._watched() | set(self.heartbeats.pending)
+            self.lanes.sweep({r.addr for r in self.rooms.values()}
+                             | {(a, "health") for a in watched})
         return touched
 
     def _take_failures(self, touched: list[R]) -> None:
