@@ -280,6 +280,12 @@ class DecodeRole(Generic[R]):
         self.wake()
         return True
 
+    def requests(self) -> list[R]:
+        return [r.req for r in self.rooms.values() if not r.req.finished]
+
+    def queued(self) -> int:
+        return len(self.requests())  # all wait for their KV (or pages) before the scheduler
+
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
 

@@ -157,7 +157,7 @@ class PrefillRole(Generic[R]):
             raise RoomError("a prefill server needs bootstrap_room (send requests through "
                             "`baton router`)")
         self.scheduler.validate(req)
-        req.keep_first_token_only()
+        req.hand_off_after_prompt()
         with self.lock:
             r = self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room)))
             if r.req is not None:
@@ -166,16 +166,21 @@ class PrefillRole(Generic[R]):
             r.cancelled = r.cancelled or self.cancelled.pop(req.bootstrap_room, None) is not None
             self.by_rid[req.rid] = req.bootstrap_room
 
-    def take(self, req: R) -> None:
-        """The scheduler's handoff: `req`'s prompt is fully prefilled (or being)."""
-        with self.lock:
-            r = self.rooms.get(self.by_rid.get(req.rid, -1))
-            if r is not None:
+    def _take_handed_off(self) -> None:
+        """Requests the scheduler is done with (prompt KV written, first token sampled): ours
+        now, and their KV. One whose room ended meanwhile only has its KV freed."""
+        for req in self.scheduler.take_handed_off():
+            with self.lock:
+                r = self.rooms.get(self.by_rid.get(req.rid, -1))
+            if r is not None and r.req is req:
                 r.handed_off = True
+            else:
+                self.kv.release(req)
 
     def poll(self) -> list[R]:
         """Advance every room; returns the requests that finished (to emit)."""
         touched, self._aborted = self._aborted, []
+        self._take_handed_off()
         with self.lock:
             rooms = list(self.rooms.values())
             horizon = time.monotonic() - self.config.bootstrap_timeout_s
@@ -302,6 +307,14 @@ class PrefillRole(Generic[R]):
             self._fail(r, message, self._aborted, "aborted")
         self.wake()
         return True
+
+    def requests(self) -> list[R]:
+        with self.lock:
+            return [r.req for r in self.rooms.values() if r.req is not None and not r.req.finished]
+
+    def queued(self) -> int:
+        with self.lock:
+            return sum(1 for r in self.rooms.values() if r.req is not None and not r.submitted)
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)

@@ -3,10 +3,12 @@ talks to the HTTP process over ZMQ.
 
 Loop, one breath: receive (non-blocking while there is work, else a bounded wait that a role's
 thread can cut short through the wake pipe: a KV transfer that completes is handled at once) →
-`scheduler.step()` (its OutputStreamer sends the outputs) → `role.poll()` (prefill/decode
-queues: right after the step, so a room its outputs moved on goes on in the same breath, and a
-request the role hands to the scheduler makes the next receive non-blocking) → send stats when
+`scheduler.step()` → `role.poll()` (prefill/decode queues: right after the step, so a room its
+outputs moved on goes on in the same breath, and a request the role hands to the scheduler
+makes the next receive non-blocking) → send what both returned, in one place → send stats when
 they changed. No handoff may wait for the role's poll tick (tests/disagg/test_pd_wakeups.py).
+Nothing here keeps its own list of requests: what is in flight is what the scheduler and the
+role hold (`inflight`).
 Started with multiprocessing `spawn` by `runtime.server.main`; it connects, the HTTP side binds.
 """
 
@@ -93,7 +95,6 @@ class SchedulerLoop:
         self.poller.register(recv, zmq.POLLIN)
         self.poller.register(self.wakeup.r, zmq.POLLIN)
         self.role: Role = ColocatedRole(self.scheduler)  # the real one once warmed up
-        self.active: set[str] = set()
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
         self.last_sent = 0.0  # monotonic time of the last message to the HTTP process
@@ -112,7 +113,6 @@ class SchedulerLoop:
             self.scheduler.step()
         self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
                                self.wakeup.wake)
-        self.streamer.sender = self._send_outputs
         kv = self.runner.kv
         self._send(
             SchedulerReady(
@@ -130,34 +130,39 @@ class SchedulerLoop:
     def run(self) -> None:
         while not self.stopping:
             self._receive(self._wait_ms())
-            if self.scheduler.has_work() or self.need_step:
-                self.need_step = False
-                self._step()
-            self._poll_role()  # after the step: a prefill's first token starts its transfer now
+            self._send_outputs(self._breathe())
             self._send_stats()
         self._drain()
+
+    def _breathe(self) -> list[ReqOutput]:
+        """The step (when there is work), then the role's queues; the outputs due from both."""
+        outputs = []
+        if self.scheduler.has_work() or self.need_step:
+            self.need_step = False
+            outputs = self._step()
+        # after the step: a prefill's first token starts its transfer now
+        return outputs + self.streamer.emit(self.role.poll())
 
     def _wait_ms(self) -> int:
         if self.scheduler.has_work() or self.need_step:
             return 0
         return ROLE_POLL_MS if self.role.has_work() else IDLE_POLL_MS
 
-    def _poll_role(self) -> None:
-        touched = self.role.poll()
-        if touched:
-            self.streamer.emit(touched)
-
-    def _step(self) -> None:
+    def _step(self) -> list[ReqOutput]:
         try:
-            self.scheduler.step()
+            return self.scheduler.step()
         except HttpGone:
             raise
-        except Exception as e:
-            log.exception("scheduler step failed; aborting %d requests", len(self.active))
+        except Exception as e:  # the process exits: end every request in flight first
+            rids = self.inflight()
+            log.exception("scheduler step failed; aborting %d requests", len(rids))
             reason = FinishReason("abort", message=f"internal error: {e}").to_dict()
-            outs = [ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in self.active]
-            self._send_outputs(outs)
+            self._send_outputs([ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in rids])
             raise
+
+    def inflight(self) -> set[str]:
+        """The rids of every unfinished request: what the scheduler and the role hold."""
+        return {r.rid for r in (*self.scheduler.requests(), *self.role.requests())}
 
     def _receive(self, wait_ms: int) -> None:
         ready = dict(self.poller.poll(wait_ms)) if wait_ms else {self.recv: zmq.POLLIN}
@@ -182,7 +187,7 @@ class SchedulerLoop:
         elif isinstance(msg, DrainRequest):
             self.scheduler.drain()
         elif isinstance(msg, ShutdownRequest):
-            for rid in list(self.active):
+            for rid in self.inflight():
                 self.role.abort(rid, msg.message)
             self.need_step = True
             self.stopping = True
@@ -195,7 +200,7 @@ class SchedulerLoop:
         from runtime.scheduler.req import Req
 
         try:
-            if msg.rid in self.active:
+            if msg.rid in self.inflight():
                 raise InvalidRequest(f"request id {msg.rid!r} is already running", "rid")
             req = Req(
                 rid=msg.rid,
@@ -215,30 +220,28 @@ class SchedulerLoop:
             return
         except RoomError as e:
             self._send(RequestError(msg.rid, str(e), "bootstrap_room", e.status))
-            return
-        self.active.add(msg.rid)
 
     def _drain(self) -> None:
         """Shutting down: run until every aborted request has emitted its last output and the
         role's rooms are settled (or SHUTDOWN_ROLE_S passed)."""
         deadline = time.monotonic() + SHUTDOWN_ROLE_S
         for _ in range(SHUTDOWN_MAX_STEPS):
-            self._poll_role()
+            self._send_outputs(self.streamer.emit(self.role.poll()))
             role_busy = self.role.has_work() and time.monotonic() < deadline
             if not (self.scheduler.has_work() or self.need_step or role_busy):
                 break
             self.need_step = False
             if self.scheduler.has_work():
-                self._step()
+                self._send_outputs(self._step())
             else:
                 self._receive(ROLE_POLL_MS)
         self._send_stats()
 
     # ---- sending ----------------------------------------------------------------------------
     def _send_outputs(self, outputs: list[ReqOutput]) -> None:
-        for out in outputs:
-            if out.finished:
-                self.active.discard(out.rid)
+        """The one way out of this process for outputs, with the stats of the moment."""
+        if not outputs:
+            return
         self.last_stats = self.stats()
         self._send(BatchOutput(outputs, self.last_stats))
 
@@ -252,10 +255,9 @@ class SchedulerLoop:
 
     def stats(self) -> SchedulerStats:
         alloc = self.runner.kv.allocator
-        waiting = len(self.scheduler.waiting)
         return SchedulerStats(
-            num_waiting=waiting,
-            num_running=max(0, len(self.active) - waiting),
+            num_waiting=len(self.scheduler.waiting) + self.role.queued(),
+            num_running=self.scheduler.num_running(),
             kv_used_pages=alloc.num_pages - alloc.available_pages,
             kv_total_pages=alloc.num_pages,
             page_size=alloc.page_size,

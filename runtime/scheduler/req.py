@@ -39,6 +39,9 @@ class Req:
     sent_len: int = 0
     # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
     needs_penalty_reset: bool = False
+    # Prefill role: once its first token is sampled the scheduler hands it (and its KV) over to
+    # the role (`Scheduler.take_handed_off`) instead of decoding it.
+    hand_off: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     seed: int = field(default_factory=lambda: random.getrandbits(63))
@@ -79,9 +82,11 @@ class Req:
     def finish(self, kind: FinishKind, message: str | None = None) -> None:
         self.finished_reason = FinishReason(kind, message=message)
 
-    def keep_first_token_only(self) -> None:
-        """Prefill role: this server samples the first token only; decode samples the rest."""
+    def hand_off_after_prompt(self) -> None:
+        """Prefill role: this server prefills the prompt and samples the first token only (the
+        decode server samples the rest); then the scheduler hands it over (`hand_off`)."""
         self.sampling_params = dataclasses.replace(self.sampling_params, max_new_tokens=1)
+        self.hand_off = True
 
     def check_finished(
         self,

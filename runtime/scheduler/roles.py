@@ -3,7 +3,9 @@
 Every role composes the same Scheduler and ModelRunner; what differs is where requests wait
 before and after it, which lives in small classes (runtime/disagg/prefill.py, decode.py). The
 scheduler process talks to any of them through `Role`: add, abort, poll (advance the queues,
-return the requests whose outputs are due), has_work, close.
+return the requests whose outputs are due), requests (what it holds), has_work, close. The
+flow runs one way: a role gives requests to the scheduler (`add_request`, `process_prebuilt`)
+and takes back what the scheduler is done with (`take_handed_off`); the scheduler knows no role.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class Role(Protocol):
 
     def poll(self) -> list[Req]: ...
 
+    def requests(self) -> list[Req]:
+        """The unfinished requests it holds in its rooms (some may be in the scheduler too)."""
+
+    def queued(self) -> int:
+        """How many of those wait for something before the scheduler has them (a decode's
+        KV, a prefill's first poll): with the scheduler's waiting ones, the queue depth."""
+
     def has_work(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -66,6 +75,12 @@ class ColocatedRole:
 
     def poll(self) -> list[Req]:
         return []
+
+    def requests(self) -> list[Req]:
+        return []
+
+    def queued(self) -> int:
+        return 0
 
     def has_work(self) -> bool:
         return False
@@ -109,7 +124,6 @@ def build_role(
         prefill: PrefillRole[Req] = PrefillRole(
             scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
             tally)
-        scheduler.handoff = prefill
         prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill,
                                             CallGate(key), tally)
         prefill.ready = True

@@ -1,5 +1,5 @@
-"""What the Scheduler needs around it: a runner for forwards, an optional handoff for requests
-whose prompt is prefilled (prefill role), and the record of a forward in flight."""
+"""What the Scheduler needs around it: a runner for forwards, and the record of a forward in
+flight."""
 
 from __future__ import annotations
 
@@ -25,16 +25,6 @@ class Runner(Protocol):
     def vocab_size(self) -> int: ...
 
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
-
-
-class Handoff(Protocol):
-    """Where requests go once their prompt is fully prefilled, instead of the decode batch.
-
-    The prefill role's in-flight transfer queue: it receives each request as soon as its last
-    prompt chunk is launched (in overlap mode possibly before that forward finished; the
-    request's first output token appears when it has) and from then on owns it and its KV."""
-
-    def take(self, req: Req) -> None: ...
 
 
 @dataclass

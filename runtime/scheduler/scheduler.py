@@ -25,7 +25,7 @@ from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.prefill import PrefillAdder, decode_reserve_tokens
 from runtime.scheduler.req import Req
-from runtime.scheduler.runner import Handoff, Launched, Runner
+from runtime.scheduler.runner import Launched, Runner
 from runtime.scheduler.streamer import OutputStreamer
 
 log = logging.getLogger(__name__)
@@ -41,13 +41,11 @@ class Scheduler:
         runner: Runner,
         decode_tail: Callable[[list[int]], str] | None = None,
         streamer: OutputStreamer | None = None,
-        handoff: Handoff | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.kv = runner.kv
         self.decode_tail = decode_tail
-        self.handoff = handoff
         self.streamer = streamer or OutputStreamer(
             config.stream_interval, config.forced_stream_interval
         )
@@ -67,6 +65,7 @@ class Scheduler:
         self.num_retractions = 0
         self.peak_running = 0
         self._aborted: list[Req] = []
+        self._handed_off: list[Req] = []  # `hand_off` requests with their first token
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -112,17 +111,14 @@ class Scheduler:
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish request `rid` with reason abort and free its KV. False if unknown."""
-        candidates = [*self.waiting, *self.running.reqs]
-        if self.chunked_req is not None:
-            candidates.append(self.chunked_req)
-        if self.last_extend is not None:
-            candidates.extend(self.last_extend.reqs)
-        req = next((r for r in candidates if r.rid == rid and not r.finished), None)
+        req = next((r for r in self.requests() if r.rid == rid), None)
         if req is None:
             return False
         req.finished_reason = FinishReason("abort", message=message)
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self._handed_off:  # not taken yet: still ours
+            self._handed_off.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
         self.kv.release(req)
@@ -149,6 +145,26 @@ class Scheduler:
     def fence_passed(self, fence: int) -> bool:
         return self.finished_forwards >= fence
 
+    def take_handed_off(self) -> list[Req]:
+        """Prefill role: the `hand_off` requests whose prompt KV is written and first token
+        sampled since the last call; from now on the caller owns them and their KV."""
+        out, self._handed_off = self._handed_off, []
+        return out
+
+    def requests(self) -> list[Req]:
+        """Every unfinished request this scheduler holds (waiting, prefilling, decoding)."""
+        held = [*self.waiting, *self.running.reqs, *self._handed_off]
+        if self.chunked_req is not None:
+            held.append(self.chunked_req)
+        if self.last_extend is not None:
+            held.extend(self.last_extend.reqs)
+        unique = {id(r): r for r in held if not r.finished}
+        return list(unique.values())
+
+    def num_running(self) -> int:
+        """Requests it is computing: the decode batch and prompts being prefilled."""
+        return len(self.requests()) - len(self.waiting)
+
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running.reqs or self.chunked_req or self.pending or self.last_extend
@@ -156,7 +172,7 @@ class Scheduler:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        """One iteration; returns the outputs emitted by it."""
+        """One iteration; returns the outputs due from it (the caller sends them)."""
         batch, fb = self.schedule()
         launched = self.launch(batch, fb) if batch is not None and fb is not None else None
         if self.worker is None:
@@ -240,8 +256,9 @@ class Scheduler:
                 list(zip(top[1][i][:k], top[0][i][:k], strict=True)) if top and k else None,
                 {key: values[i] for key, values in info.items()},
             )
-            if self.handoff is not None and done.mode == "extend":
-                continue  # its first token is what the handoff waits for; it owns the request
+            if req.hand_off:  # its KV is written and its first token here: the role's now
+                self._handed_off.append(req)
+                continue
             req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
             if req.finished:
                 self.kv.release(req)
@@ -272,16 +289,13 @@ class Scheduler:
 
     # ---- policy -------------------------------------------------------------------------------
     def _fold_last_extend(self) -> None:
-        """Requests whose prompt is now fully cached join the running decode batch, or go to the
-        handoff (prefill role: their KV goes to a decode server; it frees it)."""
+        """Requests whose prompt is now fully cached join the running decode batch (`hand_off`
+        ones never do: `process` hands them over with their first token)."""
         b, self.last_extend = self.last_extend, None
         if b is not None:
-            b.filter_batch([i for i, r in enumerate(b.reqs) if b.is_last_chunk[i] and not r.finished])
-            if self.handoff is None:
-                self.running.merge_batch(b)
-            else:
-                for req in b.reqs:
-                    self.handoff.take(req)
+            b.filter_batch([i for i, r in enumerate(b.reqs)
+                            if b.is_last_chunk[i] and not r.finished and not r.hand_off])
+            self.running.merge_batch(b)
         self.running.filter_batch([i for i, r in enumerate(self.running.reqs) if not r.finished])
 
     def _schedule_prefill(self) -> ScheduleBatch | None:

@@ -1,7 +1,8 @@
 """OutputStreamer: decides which requests emit this step and builds their incremental outputs.
 
-It holds exactly what it needs — the intervals and an optional sender — and no scheduler; the
-scheduler holds it and calls `emit` with the requests a step touched (seed 004).
+It holds exactly what it needs — the intervals — and no scheduler; the scheduler holds it and
+calls `emit` with the requests a step touched (seed 004); whoever runs the loop sends what it
+returns.
 
 When a request emits:
 - it finished (any reason), always;
@@ -16,13 +17,10 @@ Each output carries only what is new since the request's previous one (`Req.sent
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.messages import ReqOutput
 from runtime.scheduler.req import Req
-
-Sender = Callable[[list[ReqOutput]], None]
 
 
 @dataclass
@@ -30,7 +28,6 @@ class OutputStreamer:
     stream_interval: int = 1
     # Non-streaming requests still flush this often, so no process holds nothing for minutes.
     forced_interval: int = 64
-    sender: Sender | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1 or self.forced_interval < 1:
@@ -52,11 +49,8 @@ class OutputStreamer:
         return n % self.interval(req) == 0
 
     def emit(self, reqs: list[Req]) -> list[ReqOutput]:
-        """Build (and send, with a sender) the outputs of the requests due this step."""
-        outputs = [self.build(r) for r in reqs if self.should_emit(r)]
-        if outputs and self.sender is not None:
-            self.sender(outputs)
-        return outputs
+        """The outputs of the requests that are due this step."""
+        return [self.build(r) for r in reqs if self.should_emit(r)]
 
     @staticmethod
     def build(req: Req) -> ReqOutput:

@@ -274,3 +274,27 @@ def test_random_client_disconnects_through_the_router_leave_no_kv(shared: Pair, 
         assert prefill.status_code == 200 and len(decoded["output_ids"]) == 8
     finally:
         router.stop()
+
+
+def test_a_request_waiting_for_its_kv_is_queued_not_running(shared: Pair) -> None:
+    """The decode's counts come from what its scheduler and rooms hold: a request in its room,
+    waiting for the prefill's KV, is queue depth, not a running request."""
+    pair, body = shared, gen_body(shared)
+
+    async def wait_then_feed() -> tuple[float, float, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
+            deadline = time.monotonic() + 10
+            while metric(pair.decode.url, "baton_queue_depth") != 1:
+                assert time.monotonic() < deadline, "the decode never counted it as queued"
+                await asyncio.sleep(0.05)
+            running = metric(pair.decode.url, "baton_running_requests")
+            queued = metric(pair.decode.url, "baton_queue_depth")
+            fed = await http.post(f"{pair.prefill.url}/generate", json=body)
+            return queued, running, fed, await waiting
+
+    queued, running, fed, done = asyncio.run(wait_then_feed())
+    assert (queued, running) == (1, 0)
+    assert fed.status_code == 200 and done.status_code == 200
+    eventually(lambda: metric(pair.decode.url, "baton_queue_depth") == 0
+               and metric(pair.decode.url, "baton_running_requests") == 0)

@@ -1,6 +1,6 @@
-"""The scheduler's PD seams with fake runners: a prefill scheduler hands requests off after their
-first token, their KV is copied page for page into a second pool, and a decode scheduler takes
-them through `process_prebuilt`. The fake runner's token hashes the whole cached sequence read
+"""The scheduler's PD seams with fake runners: a prefill scheduler hands `hand_off` requests over
+with their first token (`take_handed_off`), their KV is copied page for page into a second pool,
+and a decode scheduler takes them through `process_prebuilt`. The fake runner's token hashes the whole cached sequence read
 back through the req->token table, so KV in the wrong place changes every later token."""
 
 from __future__ import annotations
@@ -17,22 +17,19 @@ from tests.scheduler.test_scheduler import make_req
 
 
 class CopyHandoff:
-    """Plays the KV transfer: copies each handed-off request's pages into the decode pool, from
-    outside the decode's forward thread, so it must respect the decode scheduler's KV fence."""
+    """Plays the prefill role and the KV transfer: takes what the prefill scheduler handed over
+    and copies its pages into the decode pool, from outside the decode's forward thread, so it
+    must respect the decode scheduler's KV fence."""
 
-    def __init__(self, src: FakeRunner, dst: FakeRunner, decode: Scheduler) -> None:
-        self.src, self.dst, self.decode = src, dst, decode
-        self.pending: list[Req] = []
+    def __init__(self, prefill: Scheduler, src: FakeRunner, dst: FakeRunner,
+                 decode: Scheduler) -> None:
+        self.prefill, self.src, self.dst, self.decode = prefill, src, dst, decode
         self.allocated: list[tuple[Req, Req, int]] = []  # pages taken, waiting for the fence
         self.delivered: dict[str, Req] = {}
 
-    def take(self, req: Req) -> None:
-        assert not req.output_ids or len(req.output_ids) == 1
-        self.pending.append(req)
-
     def pump(self) -> None:
-        for req in [r for r in self.pending if r.output_ids]:  # first token known: KV complete
-            self.pending.remove(req)
+        for req in self.prefill.take_handed_off():
+            assert len(req.output_ids) == 1  # handed over with its first token: KV complete
             sp = SamplingParams(max_new_tokens=req.extra_max_new, temperature=0.0)  # type: ignore[attr-defined]
             twin = Req(req.rid, list(req.origin_input_ids), sp)
             self.dst.kv.grow(twin, len(twin.origin_input_ids))
@@ -58,14 +55,15 @@ def test_prefill_handoff_then_prebuilt_decode_gives_colocated_tokens(overlap: bo
     p_runner, d_runner = FakeRunner(num_pages=64), FakeRunner(num_pages=48, page_size=4)
     cfg = SchedulerConfig(enable_overlap=overlap, chunked_prefill_size=16)
     decode = Scheduler(cfg, d_runner)
-    handoff = CopyHandoff(p_runner, d_runner, decode)
-    prefill = Scheduler(cfg, p_runner, handoff=handoff)
+    prefill = Scheduler(cfg, p_runner)
+    handoff = CopyHandoff(prefill, p_runner, d_runner, decode)
     reqs = [make_req(f"r{i}", 3 + 7 * i, 1, seed=i) for i in range(6)]  # prompt 3..38: chunked
     for i, r in enumerate(reqs):
         r.extra_max_new = 5 + i  # type: ignore[attr-defined]
+        r.hand_off_after_prompt()
         prefill.add_request(r)
     for _ in range(500):
-        if not (prefill.has_work() or handoff.pending or handoff.allocated or decode.has_work()):
+        if not (prefill.has_work() or handoff.allocated or decode.has_work()):
             break
         if prefill.has_work():
             assert prefill.step() == []  # prefill emits nothing itself: the handoff owns them

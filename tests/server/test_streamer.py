@@ -23,16 +23,12 @@ def _step(req: Req, token: int) -> None:
 
 def _run(streamer: OutputStreamer, req: Req, n: int, finish_at: int | None = None) -> list[tuple[int, ReqOutput]]:
     """Generate n tokens one step at a time; return (step, output) for each emission."""
-    sent: list[ReqOutput] = []
-    streamer.sender = sent.extend
     emitted = []
     for i in range(1, n + 1):
         _step(req, 100 + i)
         if finish_at == i:
             req.finished_reason = FinishReason("length")
-        before = len(sent)
-        streamer.emit([req])
-        emitted += [(i, o) for o in sent[before:]]
+        emitted += [(i, o) for o in streamer.emit([req])]
         if req.finished:
             break
     return emitted
