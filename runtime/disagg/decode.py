@@ -38,7 +38,7 @@ from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.lanes import Lanes
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
 from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, RoomRequest
@@ -77,8 +77,7 @@ class DecodeRole(Generic[R]):
     stats: DisaggStats = field(default_factory=DisaggStats)
 
     def __post_init__(self) -> None:
-        self.rooms: dict[int, _Room[R]] = {}  # the scheduler loop's thread only
-        self.by_rid: dict[str, int] = {}
+        self.rooms: RoomTable[_Room[R]] = RoomTable()  # the scheduler loop's thread only
         self.prealloc: deque[int] = deque()
         self.lanes = Lanes("decode-peers")  # per prefill: a frozen one holds up only its own
         self.sweep_at = 0.0
@@ -96,8 +95,8 @@ class DecodeRole(Generic[R]):
         if req.bootstrap_room in self.rooms:
             raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
         addr = (req.bootstrap_host, req.bootstrap_port)
-        self.rooms[req.bootstrap_room] = _Room(Room(req.bootstrap_room), req, addr)
-        self.by_rid[req.rid] = req.bootstrap_room
+        self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room), req, addr))
+        self.rooms.name(req.rid, req.bootstrap_room)
         self.prealloc.append(req.bootstrap_room)
 
     def poll(self) -> list[R]:
@@ -266,12 +265,10 @@ class DecodeRole(Generic[R]):
         return {r.addr for r in self.rooms.values() if r.exposed and not r.room.state.terminal}
 
     def _drop(self, r: _Room[R]) -> None:
-        self.rooms.pop(r.room.room, None)
-        self.by_rid.pop(r.req.rid, None)
+        self.rooms.drop(r.room.room, r.req.rid)
 
     def abort(self, rid: str, message: str) -> bool:
-        room = self.by_rid.get(rid)
-        r = self.rooms.get(room) if room is not None else None
+        r = self.rooms.find(rid)
         if r is None:
             return self.scheduler.abort(rid, message)  # prebuilt already: the scheduler's
         if r.req.finished:

@@ -36,7 +36,7 @@ from runtime.auth.ticket import check_room
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, count_states
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
@@ -75,8 +75,7 @@ class PrefillRole(Generic[R]):
 
     def __post_init__(self) -> None:
         self.instance_id = self.transfer.agent_name  # /route, the KV link proof, nixl's agent
-        self.rooms: dict[int, _Room[R]] = {}
-        self.by_rid: dict[str, int] = {}
+        self.rooms: RoomTable[_Room[R]] = RoomTable()
         self.peers: dict[str, PeerRegistration] = {}
         self.ready = False  # /route answers once the server can prefill
         self.bootstrap: BootstrapServer | None = None
@@ -164,14 +163,14 @@ class PrefillRole(Generic[R]):
                 raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
             r.req = req
             r.cancelled = r.cancelled or self.cancelled.pop(req.bootstrap_room, None) is not None
-            self.by_rid[req.rid] = req.bootstrap_room
+            self.rooms.name(req.rid, req.bootstrap_room)
 
     def _take_handed_off(self) -> None:
         """Requests the scheduler is done with (prompt KV written, first token sampled): ours
         now, and their KV. One whose room ended meanwhile only has its KV freed."""
         for req in self.scheduler.take_handed_off():
             with self.lock:
-                r = self.rooms.get(self.by_rid.get(req.rid, -1))
+                r = self.rooms.find(req.rid)
             if r is not None and r.req is req:
                 r.handed_off = True
             else:
@@ -271,12 +270,12 @@ class PrefillRole(Generic[R]):
         r.room.fail(reason)
         self.stats.failed(kind)
         req = r.req
-        if req is not None and not req.finished:
-            if r.submitted and not r.handed_off:
-                self.scheduler.abort(req.rid, reason)  # frees its KV; the scheduler emits it
-            else:
-                req.finish("abort", reason)
-                touched.append(req)
+        # still the scheduler's: it frees its KV and emits it; else we finish it here
+        scheduled = r.submitted and not r.handed_off
+        if req is not None and not req.finished and not (
+                scheduled and self.scheduler.abort(req.rid, reason)):
+            req.finish("abort", reason)
+            touched.append(req)
         if req is not None and (r.handed_off or r.sending is not None):
             self.kv.release(req)
         if (r.peer is not None and r.target is not None and kind != "cancelled"
@@ -290,14 +289,11 @@ class PrefillRole(Generic[R]):
 
     def _drop(self, r: _Room[R]) -> None:
         with self.lock:
-            self.rooms.pop(r.room.room, None)
-            if r.req is not None:
-                self.by_rid.pop(r.req.rid, None)
+            self.rooms.drop(r.room.room, r.req.rid if r.req is not None else None)
 
     def abort(self, rid: str, message: str) -> bool:
         with self.lock:
-            room = self.by_rid.get(rid)
-            r = self.rooms.get(room) if room is not None else None
+            r = self.rooms.find(rid)
         if r is None or r.req is None or r.req.finished:
             return False
         if r.sending is not None:  # let the transfer end; its completion frees the pages

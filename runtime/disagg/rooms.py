@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +73,43 @@ def count_states(rooms: Iterable[Room]) -> dict[str, int]:
     for room in rooms:
         counts[room.state.value] = counts.get(room.state.value, 0) + 1
     return counts
+
+
+E = TypeVar("E")  # a role's record of one room
+
+
+class RoomTable(Generic[E]):
+    """A role's rooms, found by room number or by their request's rid (both roles keep one;
+    the prefill's is shared with its bootstrap threads, under its lock)."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[int, E] = {}
+        self.rids: dict[str, int] = {}
+
+    def get(self, room: int) -> E | None:
+        return self.rooms.get(room)
+
+    def setdefault(self, room: int, entry: E) -> E:
+        return self.rooms.setdefault(room, entry)
+
+    def name(self, rid: str, room: int) -> None:
+        """`rid`'s request is in `room`."""
+        self.rids[rid] = room
+
+    def find(self, rid: str) -> E | None:
+        room = self.rids.get(rid)
+        return self.rooms.get(room) if room is not None else None
+
+    def drop(self, room: int, rid: str | None) -> None:
+        self.rooms.pop(room, None)
+        if rid is not None:
+            self.rids.pop(rid, None)
+
+    def values(self) -> list[E]:
+        return list(self.rooms.values())
+
+    def __contains__(self, room: int) -> bool:
+        return room in self.rooms
+
+    def __len__(self) -> int:
+        return len(self.rooms)

@@ -61,6 +61,14 @@ def kv_free(url: str) -> bool:
     return bool(httpx.get(f"{url}/debug/stats").json()["kv_all_free"])
 
 
+async def rooms_in(url: str, state: str, n: int, timeout: float = 10.0) -> None:
+    """Until the server reports `n` rooms in `state` (its rooms gauge): poll, never sleep."""
+    deadline = time.monotonic() + timeout
+    while metric(url, f'baton_disagg_rooms{{state="{state}"}}') != n:
+        assert time.monotonic() < deadline, f"{url} never had {n} rooms {state}"
+        await asyncio.sleep(0.02)
+
+
 def eventually(check: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -84,7 +92,7 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
         async with httpx.AsyncClient(timeout=30) as http:
             # a decode request waits in its room; a second one with the same room is refused
             waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
-            await asyncio.sleep(0.5)
+            await rooms_in(pair.decode.url, "waiting_for_input", 1)
             again = await http.post(f"{pair.decode.url}/generate", json={
                 **body, **pair.fields(body["bootstrap_room"], rid="other")})
             p_first = await http.post(f"{pair.prefill.url}/generate", json=body)
@@ -100,7 +108,7 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
         body = gen_body(pair)
         async with httpx.AsyncClient(timeout=30) as http:
             first = asyncio.ensure_future(http.post(f"{pair.prefill.url}/generate", json=body))
-            await asyncio.sleep(0.5)
+            await rooms_in(pair.prefill.url, "bootstrapping", 1)
             again = await http.post(f"{pair.prefill.url}/generate", json={
                 **body, **pair.fields(body["bootstrap_room"], rid="x2")})
             done = await http.post(f"{pair.decode.url}/generate", json=body)
@@ -135,7 +143,7 @@ def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
         async with httpx.AsyncClient(timeout=30) as http:
             calls = [asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=gen_body(pair)))
                      for _ in range(4)]
-            await asyncio.sleep(1.0)  # registered with the prefill, waiting for KV
+            await rooms_in(pair.decode.url, "waiting_for_input", 4)  # registered, waiting for KV
             assert not kv_free(pair.decode.url)
             pair.prefill.kill()
             return list(await asyncio.gather(*calls))
@@ -159,7 +167,7 @@ def test_decode_killed_prefill_frees_its_pages(pair: Pair) -> None:
     async def register_then_kill() -> httpx.Response:
         async with httpx.AsyncClient(timeout=30) as http:
             orphan = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
-            await asyncio.sleep(1.0)  # the room is registered at the prefill
+            await rooms_in(pair.decode.url, "waiting_for_input", 1)  # registered at the prefill
             pair.decode.kill()
             with pytest.raises(httpx.RemoteProtocolError):
                 await orphan
@@ -178,7 +186,7 @@ def test_client_abort_on_decode_cancels_the_room_everywhere(shared: Pair) -> Non
     async def abort_waiting() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as http:
             waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
-            await asyncio.sleep(1.0)
+            await rooms_in(pair.decode.url, "waiting_for_input", 1)
             ack = await http.post(f"{pair.decode.url}/abort", json={"rid": body["rid"]})
             assert ack.json()["aborted"] is True
             late = await http.post(f"{pair.prefill.url}/generate", json=body)
