@@ -136,7 +136,7 @@ class ReqOutput:
     output_ids: list[int]  # new tokens since the last ReqOutput for this rid
     prompt_tokens: int
     completion_tokens: int  # total so far
-    finished_reason: dict[str, Any] | None = None  # FinishReason.to_dict() once finished
+    finished_reason: FinishReason | None = None  # once finished (JSON only at the HTTP edge)
     output_logprobs: list[float] | None = None
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     customized_info: dict[str, list[Any]] | None = None
@@ -195,6 +195,7 @@ Message = (
     | BatchOutput
 )
 MESSAGE_TYPES: tuple[type, ...] = (
+    FinishReason,  # travels inside ReqOutput
     GenerateRequest,
     AbortRequest,
     DrainRequest,

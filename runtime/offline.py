@@ -14,6 +14,7 @@ from typing import Any
 from runtime.config import EngineConfig, SchedulerConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.messages import ReqOutput
+from runtime.result import cut_at_stop, generate_result
 from runtime.sampling_params import InvalidRequest, SamplingParams
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
@@ -113,22 +114,12 @@ class Engine:
     def _result(self, req: Req) -> dict[str, Any]:
         sp = req.sampling_params
         text = str(self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens))
-        reason = req.finished_reason
-        if reason is not None and isinstance(reason.matched, str) and reason.matched in text:
-            text = text[: text.index(reason.matched)]
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "finish_reason": reason.to_dict() if reason else None,
-        }
-        if req.customized_info:
-            meta["customized_info"] = req.customized_info
-        if req.return_logprob:
-            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids, strict=True))
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = req.output_top_logprobs
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        return generate_result(
+            req.rid, cut_at_stop(text, req.finished_reason), req.output_ids,
+            len(req.origin_input_ids), len(req.output_ids), req.finished_reason,
+            req.output_logprobs if req.return_logprob else None,
+            req.output_top_logprobs if req.return_logprob and req.top_logprobs_num else None,
+            req.customized_info)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -156,7 +156,7 @@ class SchedulerLoop:
         except Exception as e:  # the process exits: end every request in flight first
             rids = self.inflight()
             log.exception("scheduler step failed; aborting %d requests", len(rids))
-            reason = FinishReason("abort", message=f"internal error: {e}").to_dict()
+            reason = FinishReason("abort", message=f"internal error: {e}")
             self._send_outputs([ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in rids])
             raise
 

@@ -62,7 +62,7 @@ class OutputStreamer:
             output_ids=req.output_ids[lo:hi],
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=hi,
-            finished_reason=req.finished_reason.to_dict() if req.finished_reason else None,
+            finished_reason=req.finished_reason,
         )
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[lo:hi]

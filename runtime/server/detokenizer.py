@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.messages import FinishReason
+from runtime.result import cut_at_stop
+
 _CONTEXT_TOKENS = 6  # left context so that a token's leading space / merge decodes correctly
 
 
@@ -40,13 +43,11 @@ class IncrementalDetokenizer:
             self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
         return self._take(len(self.text) - self.holdback)
 
-    def finish(self, new_ids: list[int], matched_stop: str | None = None) -> str:
-        """The request ended with `new_ids`: return everything not yet sent, cut before the
-        matched stop string."""
+    def finish(self, new_ids: list[int], reason: FinishReason | None = None) -> str:
+        """The request ended with `new_ids` (and `reason`): return everything not yet sent, cut
+        before the stop string it matched."""
         self.ids.extend(new_ids)
-        final = self._decode(self.ids)
-        if matched_stop and matched_stop in final:
-            final = final[: final.index(matched_stop)]
+        final = cut_at_stop(self._decode(self.ids), reason)
         if final.startswith(self.text[: self.emitted]):
             self.text = final
         else:  # a tokenizer whose windows do not concatenate: fall back to the tail we can send

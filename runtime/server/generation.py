@@ -31,7 +31,7 @@ class Delta:
     output_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     customized_info: dict[str, list[Any]] = field(default_factory=dict)
@@ -84,8 +84,7 @@ class Generation:
         reason = out.finished_reason
         if reason is not None:
             self.finished = True
-            matched = reason.get("matched")
-            text = self.detok.finish(out.output_ids, matched if isinstance(matched, str) else None)
+            text = self.detok.finish(out.output_ids, reason)
         else:
             text = self.detok.push(out.output_ids)
         return Delta(
@@ -106,7 +105,7 @@ class Generation:
             return await self.tm.next_output(self.state, ABORT_ACK_TIMEOUT_S)
         except RequestTimeout:
             self.tm.forget(self.rid)
-            reason = FinishReason("abort", message=message).to_dict()
+            reason = FinishReason("abort", message=message)
             return ReqOutput(self.rid, [], self.prompt_tokens, 0, finished_reason=reason)
 
     def abort(self, message: str) -> None:
@@ -135,9 +134,8 @@ def failed_handoff(role: str, deltas: list[Delta]) -> str | None:
         return None
     for d in deltas:
         reason = d.finish_reason
-        aborted = reason is not None and reason.get("type") == "abort"
-        if aborted and (role == "prefill" or not d.output_ids):
-            return str(reason.get("message") or "aborted")  # type: ignore[union-attr]
+        if reason is not None and reason.kind == "abort" and (role == "prefill" or not d.output_ids):
+            return reason.message or "aborted"
     return None
 
 

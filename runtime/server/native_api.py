@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from runtime.errors import error_body
 from runtime.messages import GenerateRequest
 from runtime.protocol import AbortBody, GenerateBody
+from runtime.result import generate_result
 from runtime.sampling_params import SamplingParams
 from runtime.server import sse
 from runtime.server.generation import Delta, Generation, finish, interleave, start
@@ -28,21 +29,8 @@ router = APIRouter(route_class=JsonRoute)
 
 def result(rid: str, d: Delta) -> dict[str, Any]:
     """Engine.generate's result shape (for a stream chunk: only what is new)."""
-    meta: dict[str, Any] = {
-        "id": rid,
-        "prompt_tokens": d.prompt_tokens,
-        "completion_tokens": d.completion_tokens,
-        "finish_reason": d.finish_reason,
-    }
-    if d.customized_info:
-        meta["customized_info"] = d.customized_info
-    if d.logprobs is not None:
-        meta["output_token_logprobs"] = [
-            [lp, tid] for lp, tid in zip(d.logprobs, d.output_ids, strict=True)
-        ]
-        if d.top_logprobs is not None:
-            meta["output_top_logprobs"] = [[list(x) for x in row] for row in d.top_logprobs]
-    return {"text": d.text, "output_ids": d.output_ids, "meta_info": meta}
+    return generate_result(rid, d.text, d.output_ids, d.prompt_tokens, d.completion_tokens,
+                           d.finish_reason, d.logprobs, d.top_logprobs, d.customized_info)
 
 
 def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:

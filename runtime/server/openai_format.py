@@ -10,7 +10,7 @@ from runtime.server.generation import Delta
 
 
 def finish_reason(d: Delta) -> str | None:
-    return None if d.finish_reason is None else str(d.finish_reason.get("type"))
+    return None if d.finish_reason is None else d.finish_reason.kind
 
 
 def usage(prompt_tokens: int, deltas: list[Delta]) -> dict[str, int]:

@@ -120,7 +120,7 @@ class TokenizerManager:
 
     def end_all(self, why: str) -> None:
         """End every request in flight here with the abort finish, without the scheduler."""
-        reason = FinishReason("abort", message=why).to_dict()
+        reason = FinishReason("abort", message=why)
         for state in list(self.states.values()):
             self._file(ReqOutput(state.rid, [], 0, 0, finished_reason=reason))
 
@@ -267,7 +267,7 @@ class TokenizerManager:
         if out.finished:
             state.finished = True
             self._forget(state)
-            status = str((out.finished_reason or {}).get("type", "abort"))
+            status = out.finished_reason.kind if out.finished_reason is not None else "abort"
             self.metrics.on_finish(status, out.prompt_tokens, out.completion_tokens, now - state.created)
 
     def _refused(self, err: RequestError) -> None:

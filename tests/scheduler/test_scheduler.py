@@ -143,7 +143,7 @@ def test_abort_running_and_waiting_frees_kv(overlap: bool) -> None:
     while sched.has_work():
         outs += sched.step()
     assert {o.rid for o in outs if o.finished} >= {"running", "waiting"}
-    assert all(o.finished_reason["type"] == "abort" for o in outs if o.finished)
+    assert all(o.finished_reason.kind == "abort" for o in outs if o.finished_reason)
     assert runner.kv.is_all_free()
 
 

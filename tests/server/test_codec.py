@@ -9,6 +9,7 @@ from runtime.codec import CodecError, decode, encode
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    FinishReason,
     GenerateRequest,
     ReqOutput,
     RequestError,
@@ -19,7 +20,7 @@ from runtime.messages import (
 
 OUT = ReqOutput(
     "r1", [5, 6], prompt_tokens=3, completion_tokens=2,
-    finished_reason={"type": "stop", "matched": 2, "message": None},
+    finished_reason=FinishReason("stop", matched=2),  # travels as itself
     output_logprobs=[-0.5, -1.0], output_top_logprobs=[[[5, -0.5]], [[6, -1.0]]],
     customized_info={"mirror": [5, 6], "meta": [{"a": 1}, None]},
 )
@@ -62,7 +63,7 @@ def test_concat_joins_every_incremental_key() -> None:
     a = ReqOutput("r", [1, 2], 4, 2, output_logprobs=[-1.0, -2.0], customized_info={"k": [1, 2]})
     b = ReqOutput("r", [], 4, 2)
     c = ReqOutput("r", [3], 4, 3, output_logprobs=[-3.0], customized_info={"k": [3], "j": ["x"]},
-                  finished_reason={"type": "length", "matched": None, "message": None})
+                  finished_reason=FinishReason("length"))
     m = ReqOutput.concat([a, b, c])
     assert m.output_ids == [1, 2, 3] and m.output_logprobs == [-1.0, -2.0, -3.0]
     assert m.customized_info == {"k": [1, 2, 3], "j": ["x"]}

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from runtime.messages import FinishReason
 from runtime.server.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -51,7 +52,7 @@ def test_stop_string_is_never_streamed(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
     out = "".join(detok.push([t]) for t in ids[:-2])
     assert "STOP" not in out and "ST" not in out
-    out += detok.finish(ids[-2:], matched_stop="STOP")
+    out += detok.finish(ids[-2:], FinishReason("stop", matched="STOP"))
     assert out == "one two three "
 
 

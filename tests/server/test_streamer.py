@@ -77,7 +77,7 @@ def test_aborted_request_emits_its_rest_once() -> None:
     _run(streamer, req, 2)  # emitted token 1; token 2 pending
     req.finished_reason = FinishReason("abort", message="bye")
     [out] = streamer.emit([req])
-    assert out.output_ids == [102] and out.finished_reason == {"type": "abort", "matched": None, "message": "bye"}
+    assert out.output_ids == [102] and out.finished_reason == FinishReason("abort", message="bye")
     assert streamer.emit([]) == []
 
 

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from runtime.config import ServerArgs
-from runtime.messages import BatchOutput, GenerateRequest, ReqOutput, RequestError, SchedulerStats
+from runtime.messages import (
+    BatchOutput,
+    FinishReason,
+    GenerateRequest,
+    ReqOutput,
+    RequestError,
+    SchedulerStats,
+)
 from runtime.sampling_params import InvalidRequest
 from runtime.server.generation import Generation, finish, start
 from runtime.server.metrics import Metrics
@@ -31,7 +38,7 @@ def _tm(tokenizer: Any, tmp_path: Path) -> TokenizerManager:
 
 
 def _out(ids: list[int], total: int, done: bool = False) -> ReqOutput:
-    reason = {"type": "length", "matched": None, "message": None} if done else None
+    reason = FinishReason("length") if done else None
     return ReqOutput("r", ids, 2, total, finished_reason=reason, customized_info={"m": list(ids)})
 
 
@@ -84,6 +91,6 @@ async def test_timeout_without_output_aborts(
     monkeypatch.setattr(generation, "ABORT_ACK_TIMEOUT_S", 0.05)
     gen = Generation(tm, GenerateRequest("r", [1], {}), 0, timeout=0.05)
     delta = await gen.next()
-    assert delta.finish_reason is not None and delta.finish_reason["type"] == "abort"
-    assert "timed out" in delta.finish_reason["message"] and gen.finished
+    assert delta.finish_reason is not None and delta.finish_reason.kind == "abort"
+    assert "timed out" in (delta.finish_reason.message or "") and gen.finished
     tm.close()
