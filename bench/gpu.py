@@ -63,7 +63,7 @@ def model_files() -> Path:
     carried = REPO / ".whl" / "model"
     if (carried / "config.json").exists():
         return carried
-    from runtime.models.prepare import resolve_model_path
+    from runtime.model_store import resolve_model_path
 
     return resolve_model_path("builtin:smollm2-135m")
 

@@ -173,7 +173,7 @@ class Bench:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from runtime.models.prepare import resolve_model_path
+        from runtime.model_store import resolve_model_path
 
         torch.set_num_threads(args.threads)
         self.args = args

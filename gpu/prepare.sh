@@ -35,7 +35,7 @@ rm -rf .whl && mkdir .whl
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .whl $pins
-model=$($py -c "from runtime.models.prepare import resolve_model_path as r; print(r('builtin:smollm2-135m'))")
+model=$($py -c "from runtime.model_store import resolve_model_path as r; print(r('builtin:smollm2-135m'))")
 mkdir .whl/model
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja \
          special_tokens_map.json; do

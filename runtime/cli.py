@@ -15,17 +15,17 @@ def _model_main(argv: list[str]) -> int:
     pull.add_argument("uri")
     pull.add_argument("--dest", required=True)
     args = parser.parse_args(argv)
-    from runtime.models import prepare
+    from runtime import model_store
 
     if args.action == "prepare":
-        name = args.name.removeprefix(prepare.BUILTIN_PREFIX)
+        name = args.name.removeprefix(model_store.BUILTIN_PREFIX)
         try:
-            path = prepare.prepare(name)
+            path = model_store.prepare(name)
         except (ValueError, RuntimeError) as e:
             parser.error(str(e))
         print(path)
         return 0
-    return prepare.pull(args.uri, args.dest)
+    return model_store.pull(args.uri, args.dest)
 
 
 def _lazy(module: str) -> object:

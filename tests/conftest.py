@@ -21,7 +21,7 @@ from tests.server.server_process import ServerProcess, start_server
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """SmolLM2-135M-Instruct as an HF folder (converted from the PyPI GGUF on first use)."""
-    from runtime.models.prepare import resolve_model_path
+    from runtime.model_store import resolve_model_path
 
     return resolve_model_path("builtin:smollm2-135m")
 

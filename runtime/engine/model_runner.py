@@ -26,9 +26,9 @@ from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool, page_nbytes
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
 from runtime.models.llama import LlamaModel
-from runtime.models.prepare import resolve_model_path
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,14 @@ from runtime.router.discovery import (
     run_discovery,
 )
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
-from runtime.router.exchange import CLIENT_GONE, forward
+from runtime.router.exchange import forward
 from runtime.router.health import HealthChecker
 from runtime.router.metrics import RouterMetrics
 from runtime.router.policy import build_policy, least_loaded
 from runtime.router.proxy import Proxy
 from runtime.router.request import ENDPOINTS, parse_abort, parse_request
 from runtime.router.workers import Worker, Workers
+from runtime.sse import CLIENT_GONE
 
 log = logging.getLogger("baton.router")
 

@@ -25,20 +25,14 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.router.errors import UpstreamFailure
 from runtime.router.proxy import Proxy
-from runtime.router.request import PDRequest
+from runtime.router.request import RoutedRequest
 from runtime.router.workers import Worker
+from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 
 T = TypeVar("T")
-DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_GONE = 499  # nginx's "client closed request", for the metrics
 
 
-class ClientGone(Exception):
-    pass
-
-
-async def forward(proxy: Proxy, request: Request, req: PDRequest, prefill: Worker,
+async def forward(proxy: Proxy, request: Request, req: RoutedRequest, prefill: Worker,
                   decode: Worker) -> Response:
     """D's response to `req` for the client of `request` (see the module's failure rules)."""
     disconnect = proxy.spawn(_wait_disconnect(request))
@@ -56,7 +50,7 @@ async def _wait_disconnect(request: Request) -> None:
 class Exchange:
     """One request's calls to P and D, from the start until the client has D's last byte."""
 
-    def __init__(self, proxy: Proxy, req: PDRequest, prefill: Worker, decode: Worker):
+    def __init__(self, proxy: Proxy, req: RoutedRequest, prefill: Worker, decode: Worker):
         self.proxy, self.req, self.p, self.d = proxy, req, prefill, decode
         self.started = time.monotonic()
         self.status = CLIENT_GONE  # what the client got, for the metrics
@@ -105,7 +99,7 @@ class Exchange:
         except UpstreamFailure as f:
             self._abort_after(f)
             yield f"data: {json.dumps(f.body, ensure_ascii=False)}\n\n".encode()
-            yield DONE
+            yield DONE_BYTES
         self.delivered = True
 
     def client_left(self) -> None:
@@ -184,7 +178,7 @@ class Exchange:
                 break
             tail = (tail + chunk)[-64:]
             yield chunk
-        if b"data: [DONE]" not in tail:
+        if DONE_BYTES.strip() not in tail:
             raise self.proxy.count(UpstreamFailure.truncated("decode", self.d.url))
 
     async def _until(self, work: asyncio.Task[T], disconnect: asyncio.Task[None] | None) -> T:
@@ -224,7 +218,7 @@ class RelayResponse(StreamingResponse):
     the client leaving, even before the first byte), the exchange is closed exactly once."""
 
     def __init__(self, exchange: Exchange, status: int, media_type: str):
-        super().__init__(exchange.relay(), status, headers=SSE_HEADERS, media_type=media_type)
+        super().__init__(exchange.relay(), status, headers=HEADERS, media_type=media_type)
         self.exchange = exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -37,7 +37,7 @@ MODELS: dict[str, type[GenerateBody | CompletionRequest | ChatCompletionRequest]
 
 
 @dataclass(frozen=True)
-class PDRequest:
+class RoutedRequest:
     endpoint: str
     body: dict[str, Any]  # the client's body with `rid` and `bootstrap_room` set
     prompt: str | None  # the prompt as text, for the prefix policy
@@ -47,7 +47,7 @@ class PDRequest:
     def rid(self) -> str:
         return str(self.body["rid"])
 
-    def signed(self, key: ClusterKey, prefill: Worker, decode: Worker, ttl_s: float) -> PDRequest:
+    def signed(self, key: ClusterKey, prefill: Worker, decode: Worker, ttl_s: float) -> RoutedRequest:
         """This request with a room ticket for (prefill, decode) (runtime/auth/ticket.py);
         as it is without a cluster key."""
         if not key.enabled:
@@ -69,7 +69,7 @@ class PDRequest:
         return {**body, "stream": False}
 
 
-def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> PDRequest:
+def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> RoutedRequest:
     """The client's body, checked as `baton serve` checks it (a RouterError otherwise), with
     the routing fields added."""
     body = _json_object(raw, content_type)
@@ -77,7 +77,7 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> PDRequ
     body["rid"] = _rid(endpoint, body)
     if body.get("bootstrap_room") is None:  # a room the client chose is kept as is
         body["bootstrap_room"] = new_rooms(choice_count(endpoint, body))
-    return PDRequest(endpoint, body, prompt_text(endpoint, body))
+    return RoutedRequest(endpoint, body, prompt_text(endpoint, body))
 
 
 def parse_abort(raw: bytes, content_type: str | None) -> str:

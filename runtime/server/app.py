@@ -19,8 +19,8 @@ from runtime.server import native_api, openai_api
 from runtime.server.errors import ApiError, install_error_handlers
 from runtime.server.metrics import Metrics
 from runtime.server.middleware import BodyLimit, ErrorGuard
-from runtime.server.sse import ClientGone
 from runtime.server.tokenizer_manager import LOADING, TokenizerManager
+from runtime.sse import ClientGone
 
 log = logging.getLogger("baton.server")
 

@@ -67,7 +67,7 @@ def _spawn_scheduler(args: ServerArgs, tm: TokenizerManager) -> BaseProcess:
 
 
 def _serve(args: ServerArgs, ipc_dir: str) -> int:
-    from runtime.models.prepare import resolve_model_path
+    from runtime.model_store import resolve_model_path
     from runtime.server.app import create_app
     from runtime.tokenizer import load_tokenizer
 

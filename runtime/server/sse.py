@@ -1,35 +1,24 @@
-"""Server-sent events framing, and waiting on work while watching for the client leaving."""
+"""A worker's event streams (framing from runtime/sse.py, shared with the router), and waiting on
+work while watching for the client leaving."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from runtime.sse import DONE, HEADERS, ClientGone, event
+
 T = TypeVar("T")
-
-DONE = "data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.5
-
-
-def event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+__all__ = ["DONE", "ClientGone", "event", "sse_response", "until_disconnect"]
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        events,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-class ClientGone(Exception):
-    pass
+    return StreamingResponse(events, media_type="text/event-stream", headers=HEADERS)
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models.prepare import is_prepared, prepared_dir
+from runtime.model_store import is_prepared, prepared_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

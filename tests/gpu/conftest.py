@@ -27,7 +27,7 @@ FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 def model_files() -> Path:
     if (CARRIED / "config.json").exists():
         return CARRIED
-    from runtime.models.prepare import resolve_model_path
+    from runtime.model_store import resolve_model_path
 
     return resolve_model_path("builtin:smollm2-135m")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models import prepare
+from runtime import model_store
 
 
 def baton(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,19 +34,19 @@ def test_unknown_builtin_is_a_clear_cli_error() -> None:
 
 
 def test_resolve_model_path(model_path: Path, tmp_path: Path) -> None:
-    assert prepare.resolve_model_path("builtin:smollm2-135m") == model_path
-    assert prepare.resolve_model_path(str(model_path)) == model_path
+    assert model_store.resolve_model_path("builtin:smollm2-135m") == model_path
+    assert model_store.resolve_model_path(str(model_path)) == model_path
     with pytest.raises(FileNotFoundError, match=r"not a folder with config\.json"):
-        prepare.resolve_model_path(str(tmp_path))
+        model_store.resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="unknown builtin"):
-        prepare.resolve_model_path("builtin:nope")
+        model_store.resolve_model_path("builtin:nope")
 
 
 def test_cache_dir_honours_baton_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BATON_CACHE", str(tmp_path))
-    assert prepare.prepared_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
+    assert model_store.prepared_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
     with pytest.raises(FileNotFoundError, match="baton model prepare smollm2-135m"):
-        prepare.resolve_model_path("builtin:smollm2-135m", prepare_builtin=False)
+        model_store.resolve_model_path("builtin:smollm2-135m", prepare_builtin=False)
 
 
 def test_pull_rejects_non_hf_uris() -> None:
