@@ -175,7 +175,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = field(
-        default=None, metadata=_help("name clients use as `model` (default: --model)")
+        default=None, metadata=_help("name clients use as `model` (default: --model; a "
+                                     "builtin:NAME model is served as NAME, as in a cluster)")
     )
     plugin: tuple[str, ...] = field(
         default=(),
@@ -202,4 +203,9 @@ class ServerArgs:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model
+        """The one name `/v1/models` lists (`builtin:` spellings are accepted as aliases)."""
+        return self.served_model_name or self.engine.model.removeprefix("builtin:")
+
+    def names_model(self, name: str) -> bool:
+        """Does a request's `model` mean this server's model?"""
+        return name in (self.model_name, self.engine.model)

@@ -208,6 +208,7 @@ def _signal(child: Child, sig: int) -> None:
 
 
 def banner(url: str, model: str, log_dir: Path) -> str:
+    model = model.removeprefix("builtin:")  # the name the workers serve it as
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 32})
     return (f"\nbaton is up: {url}  (OpenAI API under /v1; logs in {log_dir})\n"

@@ -185,6 +185,27 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=64)] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: Any = None
+
+    def check(self, where: str) -> None:
+        """OpenAI's rules per role: every role but an assistant's needs content; a tool's
+        message answers a tool call (`tool_call_id`), which no other role carries; only an
+        assistant's message has tool_calls, which this server does not produce."""
+        if self.content is None and self.role != "assistant":
+            raise InvalidRequest(f"a {self.role} message needs content", f"{where}.content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequest("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise InvalidRequest(f"a {self.role} message has no tool_call_id", f"{where}.tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequest(f"a {self.role} message has no tool_calls", f"{where}.tool_calls")
+        if self.tool_calls not in (None, []):
+            raise InvalidRequest("this server does not call tools: no tool_calls",
+                                 f"{where}.tool_calls")
+        if self.role == "assistant" and self.content is None:
+            raise InvalidRequest("an assistant message without tool_calls needs content",
+                                 f"{where}.content")
 
     def flat(self) -> dict[str, str]:
         content = self.content
@@ -216,6 +237,8 @@ class ChatCompletionRequest(SamplingFields):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -44,10 +44,21 @@ def safe_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# pydantic names the member of a union it tried inside an error's location ("str",
+# "list[function-before[_integral(), constrained-int]]"...): no client field
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def field_path(loc: Iterable[object]) -> str | None:
-    """("messages", 0, "content") -> "messages.0.content"; None for the body itself."""
-    parts = [safe_text(str(x)) for x in loc if x != "body"]
+    """("messages", 0, "content") -> "messages.0.content"; None for the body itself. pydantic's
+    union-member tags are left out: the client sees its own field names only."""
+    parts = [safe_text(str(x)) for x in loc if x != "body" and not _type_tag(x)]
     return ".".join(parts) or None
+
+
+def _type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-")))
 
 
 class _NonFinite:
@@ -142,9 +153,12 @@ def _check_number(value: _NonFinite | float, loc: Sequence[object]) -> None:
 def describe_errors(errors: Sequence[Any]) -> InvalidRequest:
     """A 400 from pydantic's errors (`ValidationError.errors()`, or FastAPI's, whose locations
     start with "body"): up to five problems, `param` the first one's field."""
-    parts = []
-    for e in errors[:5]:
-        parts.append(f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}")
+    parts: list[str] = []
+    for e in errors:
+        part = f"{field_path(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}"
+        if part not in parts:  # a union's members often fail alike
+            parts.append(part)
+    parts = parts[:5]
     param = field_path(errors[0].get("loc", ())) if errors else None
     return InvalidRequest(safe_text("; ".join(parts)) or "invalid request", param)
 

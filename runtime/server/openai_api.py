@@ -33,7 +33,7 @@ def _tm(request: Request) -> TokenizerManager:
 
 
 def check_model(tm: TokenizerManager, name: str) -> None:
-    if name not in (tm.args.model_name, tm.args.model):
+    if not tm.args.names_model(name):
         raise ApiError(404, f"model {name!r} does not exist; this server serves "
                        f"{tm.args.model_name!r}", code="model_not_found", param="model")
 

@@ -72,6 +72,9 @@ def openai_texts(url: str, model: str) -> tuple[str, str]:
 
 
 def test_openai_endpoints_through_the_router_match_colocated(up: Up, server: ServerProcess) -> None:
-    pd = openai_texts(up.url, "builtin:smollm2-135m")
+    pd = openai_texts(up.url, "smollm2-135m")  # the builtin model's one name, as in a cluster
     assert pd == openai_texts(server.url, "smollm2")
     assert all(pd)
+    models = httpx.get(f"{up.url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["smollm2-135m"]
+    assert openai_texts(up.url, "builtin:smollm2-135m") == pd  # its spelling as --model: an alias
