@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.forward_batch import ForwardBatch, ForwardMode, PenaltyResets, SamplingBatchInfo
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.req import Req
@@ -60,8 +61,9 @@ class ScheduleBatch:
         self.reqs = self.reqs + other.reqs
 
     # ---- building forwards --------------------------------------------------------------------
-    def prepare_for_extend(self, kv: KVCacheManager) -> ForwardBatch:
-        """Give each request slots for its chunk and build the flat token batch."""
+    def prepare_for_extend(self, kv: KVCacheManager, with_ids: bool = False) -> ForwardBatch:
+        """Give each request slots for its chunk and build the flat token batch (`with_ids`: its
+        sampling info carries each request's identity, for samplers keyed on it, seed 002)."""
         self.mode = "extend"
         tokens: list[int] = []
         positions, slots, resets = [], [], []
@@ -77,9 +79,10 @@ class ScheduleBatch:
             if last and req.sampling_params.uses_penalties:
                 assert req.req_pool_idx is not None
                 resets.append((req.req_pool_idx, req.origin_input_ids, list(req.output_ids)))
-        return self._forward_batch(kv, torch.cat(positions), torch.cat(slots), self.extend_lens, resets)
+        return self._forward_batch(kv, torch.cat(positions), torch.cat(slots), self.extend_lens,
+                                   resets, with_ids)
 
-    def prepare_for_decode(self, kv: KVCacheManager) -> ForwardBatch:
+    def prepare_for_decode(self, kv: KVCacheManager, with_ids: bool = False) -> ForwardBatch:
         """One new token per request: the one input_ids carries from the last forward."""
         self.mode = "decode"
         if self.input_ids is None or len(self.input_ids) != len(self.reqs):
@@ -92,7 +95,7 @@ class ScheduleBatch:
                 assert req.req_pool_idx is not None
                 resets.append((req.req_pool_idx, req.origin_input_ids, req.output_ids[:-1]))
                 req.needs_penalty_reset = False
-        return self._forward_batch(kv, positions, slots, [1] * len(self.reqs), resets)
+        return self._forward_batch(kv, positions, slots, [1] * len(self.reqs), resets, with_ids)
 
     def _forward_batch(
         self,
@@ -101,6 +104,7 @@ class ScheduleBatch:
         slots: torch.Tensor,
         extend_lens: list[int],
         resets: list[tuple[int, list[int], list[int]]],
+        with_ids: bool,
     ) -> ForwardBatch:
         assert self.input_ids is not None
         reqs = self.reqs
@@ -115,7 +119,7 @@ class ScheduleBatch:
             extend_lens=list(extend_lens),
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64),
             extend_lens_t=torch.tensor(extend_lens, dtype=torch.int64),
-            sampling=build_sampling_info(reqs, resets),
+            sampling=build_sampling_info(reqs, resets, with_ids),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
             table_writes=kv.req_to_token.take_writes(),
@@ -123,7 +127,7 @@ class ScheduleBatch:
 
 
 def build_sampling_info(
-    reqs: list[Req], resets: list[tuple[int, list[int], list[int]]]
+    reqs: list[Req], resets: list[tuple[int, list[int], list[int]]], with_ids: bool = False
 ) -> SamplingBatchInfo:
     params = [r.sampling_params for r in reqs]
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
@@ -144,6 +148,9 @@ def build_sampling_info(
         max_top_k=max(top_ks),
         penalty_resets=penalty_resets(resets) if resets else None,
     )
+    if with_ids:  # the rid hash and bootstrap room of each row (-1: none)
+        info.rids_int = rids_to_tensor(r.rid for r in reqs)
+        info.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in reqs)
     if any(p.uses_penalties for p in params):
         info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
         info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)

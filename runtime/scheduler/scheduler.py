@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.config import SchedulerConfig
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.messages import FinishReason, ReqOutput
@@ -190,19 +189,13 @@ class Scheduler:
         new = self._schedule_prefill()
         if new is not None:
             self.last_extend = new
-            return new, self._with_identity(new, new.prepare_for_extend(self.kv))
+            return new, new.prepare_for_extend(self.kv, self.runner.needs_request_ids)
         if self.running.is_empty():
             return None, None
         self._make_decode_room()
         self.peak_running = max(self.peak_running, len(self.running))
         self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
-        return self.running, self._with_identity(self.running, self.running.prepare_for_decode(self.kv))
-
-    def _with_identity(self, batch: ScheduleBatch, fb: ForwardBatch) -> ForwardBatch:
-        if self.runner.needs_request_ids:
-            fb.sampling.rids_int = rids_to_tensor(r.rid for r in batch.reqs)
-            fb.sampling.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in batch.reqs)
-        return fb
+        return self.running, self.running.prepare_for_decode(self.kv, self.runner.needs_request_ids)
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
         self.launched_forwards += 1
