@@ -2,11 +2,11 @@
 # Here, on a CPU machine: fill .whl/ (git-ignored) with what the lent GPU machine lacks, for
 # `run(carry=[".whl"], command="bash gpu/run.sh python3 -m pytest -q -m gpu tests/gpu")`:
 # - the small wheels of the serving stack and the openai SDK (its python 3.12 has torch+CUDA,
-#   triton and transformers, not these; ENVIRONMENT.md "GPU machine"), at this venv's versions;
+#   triton and transformers, not these; docs/gpu.md "The GPU machine"), at this venv's versions;
 # - .whl/model: the builtin model's config and tokenizer (its weights cannot travel; the GPU
 #   tests and bench/gpu.py write random-initialised ones there).
 # flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here;
-# ENVIRONMENT.md "GPU machine" has the two-call recipe for flashinfer (tests/gpu skip it without).
+# docs/gpu.md "The GPU machine" has the two-call recipe for flashinfer (tests/gpu skip it without).
 # `bash gpu/prepare.sh nixl` fills .whl-nixl/ instead (57 MiB: nixl and its CUDA 13 build, the
 # machine's torch being cu130), for a first call that only installs it, `bash gpu/run.sh true`
 # with carry=[".whl-nixl"]; the next call, carrying .whl, finds it installed while the machine

@@ -1,4 +1,4 @@
-"""`baton` console script: one subcommand per process kind (DESIGN.md "CLI contract")."""
+"""`baton` console script: one subcommand per process kind (docs/architecture.md "CLI contract")."""
 
 from __future__ import annotations
 

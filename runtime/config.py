@@ -128,7 +128,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    """Prefill/decode disaggregation (DESIGN.md "Disaggregation flow"). Timeouts can also come
+    """Prefill/decode disaggregation (docs/disaggregation.md "Disaggregation flow"). Timeouts can also come
     from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
 
     bootstrap_port: int = field(default=8998, metadata=_help("prefill: the bootstrap server's port"))
@@ -162,7 +162,7 @@ class DisaggConfig:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """`baton serve` flags (DESIGN.md "CLI contract"); argparse defaults come from these fields.
+    """`baton serve` flags (docs/architecture.md "CLI contract"); argparse defaults come from these fields.
 
     Flags are the field names, the nested configs' fields included (`engine.max_total_tokens`
     -> `--max-total-tokens`); `help` metadata is the flag's help text.

@@ -2,7 +2,7 @@
 
 Runs the scheduler and model in this process. The serving layer runs the same Scheduler in its
 own process and feeds it over ZMQ; both produce the same tokens. It sits above the scheduler it
-drives (DESIGN.md: scheduler -> engine), so it is not in engine/, which holds the ModelRunner.
+drives (docs/architecture.md: scheduler -> engine), so it is not in engine/, which holds the ModelRunner.
 """
 
 from __future__ import annotations

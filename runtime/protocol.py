@@ -44,7 +44,7 @@ class StreamOptions(_Strict):
 
 
 class Bootstrap(_Strict):
-    """What `baton router` adds to a request for a prefill/decode pair (.notes/pd_contract.md):
+    """What `baton router` adds to a request for a prefill/decode pair (docs/disaggregation.md "Wire contract"):
     the request id, the prefill's bootstrap address and one room per choice."""
 
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None

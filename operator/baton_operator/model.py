@@ -49,7 +49,7 @@ class ModelSource:
 
 
 def parse_model(model: Mapping[str, Any]) -> ModelSource:
-    """Parse `spec.model`; see DESIGN.md "CLI contract" for what each scheme renders to."""
+    """Parse `spec.model`; see docs/architecture.md "CLI contract" for what each scheme renders to."""
     uri = string(model.get("uri"), "spec.model.uri")
     kind, location, sub_path = _split_uri(uri)
     token = model.get("tokenSecretRef")

@@ -1,6 +1,6 @@
 """What the prefill and decode roles need of a request and of the scheduler.
 
-Structural types, so disagg/ depends on kvcache/ only (DESIGN.md "Dependency directions":
+Structural types, so disagg/ depends on kvcache/ only (docs/architecture.md "Dependency directions":
 scheduler -> disagg); the scheduler's Req and Scheduler satisfy them.
 """
 

@@ -1,6 +1,6 @@
 """Page allocator: fixed-size runs of KV slots handed out by index.
 
-A page index means the same slots for its whole lifetime (DESIGN.md "KV cache layout"):
+A page index means the same slots for its whole lifetime (docs/architecture.md "KV cache layout"):
 page p owns slots [p * page_size, (p + 1) * page_size).
 """
 

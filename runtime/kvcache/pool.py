@@ -3,7 +3,7 @@
     buffer [num_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]
 
 A page holds K and V of every layer for `page_size` positions in one contiguous block, so a
-transfer moves a page as one block (DESIGN.md "KV cache layout": one buffer holding all layers).
+transfer moves a page as one block (docs/architecture.md "KV cache layout": one buffer holding all layers).
 One layer's K (or V) is a strided view [num_pages, page_size, num_kv_heads, head_dim]. Slot s is
 position s % page_size of page s // page_size, and a request's position i always lives in slot
 `pages[i // page_size] * page_size + i % page_size` (KVCacheManager.grow).

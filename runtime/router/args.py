@@ -1,4 +1,4 @@
-"""`baton router` argument parsing (DESIGN.md "CLI contract"); defaults from `RouterConfig`.
+"""`baton router` argument parsing (docs/architecture.md "CLI contract"); defaults from `RouterConfig`.
 
 Each role's workers come from exactly one source: static URLs (`--prefill URL[,BOOTSTRAP_PORT]`
 repeated, `--decode URL` repeated) or a DNS name re-resolved every `--dns-refresh-s`

@@ -1,4 +1,4 @@
-"""One request forwarded to its (prefill P, decode D) pair (.notes/pd_contract.md).
+"""One request forwarded to its (prefill P, decode D) pair (docs/disaggregation.md "Wire contract").
 
 Both calls start at once. The client gets D's response: SSE relayed chunk by chunk as D sends
 it, JSON as is, with D's status. The failure rules:

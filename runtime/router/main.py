@@ -1,7 +1,7 @@
 """`baton router`: parse the flags, build the app, serve it with uvicorn until SIGTERM/SIGINT.
 
 On a signal uvicorn stops accepting, gives requests in flight `--shutdown-grace-s` to finish,
-and the router exits 0. It imports no torch (DESIGN.md "Dependency directions").
+and the router exits 0. It imports no torch (docs/architecture.md "Dependency directions").
 """
 
 from __future__ import annotations

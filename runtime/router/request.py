@@ -1,4 +1,4 @@
-"""One client request as the router forwards it (.notes/pd_contract.md "Router -> workers").
+"""One client request as the router forwards it (docs/disaggregation.md "Wire contract").
 
 Both sides get the client's JSON body plus `rid`, `bootstrap_host`, `bootstrap_port` and
 `bootstrap_room`; the prefill side also gets `"stream": false` and no `stream_options`.

@@ -1,4 +1,4 @@
-"""A server's role around its Scheduler: colocated, prefill or decode (DESIGN.md "Disaggregation").
+"""A server's role around its Scheduler: colocated, prefill or decode (docs/disaggregation.md).
 
 Every role composes the same Scheduler and ModelRunner; what differs is where requests wait
 before and after it, which lives in small classes (runtime/disagg/prefill.py, decode.py). The

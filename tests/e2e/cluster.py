@@ -2,7 +2,7 @@
 
     python -m tests.e2e.cluster up --kubeconfig /tmp/local.kubeconfig
     kubectl --kubeconfig /tmp/local.kubeconfig --validate=false apply -f manifests/crd.yaml
-    (the same with the sample in namespace serving: see the README, "A local cluster")
+    (the same with the sample in namespace serving: see docs/local-cluster.md)
 
 Three parts, in the foreground until Ctrl-C or SIGTERM (which stop everything: pods, operator,
 API; every process it starts also gets SIGKILL from the kernel if this one dies):

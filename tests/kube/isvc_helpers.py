@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 CHILD_PLURALS = ("deployments", "services", "ingresses", "horizontalpodautoscalers",
                  "poddisruptionbudgets")
-# What a minimal service turns into (DESIGN.md "InferenceService" children).
+# What a minimal service turns into (docs/operator.md "Children").
 CORE_CHILDREN = {
     ("Deployment", "{n}-prefill"), ("Deployment", "{n}-decode"), ("Deployment", "{n}-router"),
     ("Service", "{n}-prefill"), ("Service", "{n}-decode"), ("Service", "{n}"),

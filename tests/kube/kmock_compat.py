@@ -1,5 +1,5 @@
 """An emulated Kubernetes API for the operator tests: kmock 0.8 plus what `kopf run` and
-`kubectl` need from a real API server (../shared/ENVIRONMENT.md lists the gaps).
+`kubectl` need from a real API server (the gaps are listed below).
 
 On top of `kmock.KubernetesEmulator` and the reading side in kmock_reads this adds:
 - object bookkeeping: uid, resourceVersion, generation (bumped on spec changes),

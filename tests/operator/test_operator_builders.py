@@ -45,7 +45,7 @@ def command(deployment: dict[str, Any]) -> list[str]:
 
 
 def cli(line: str) -> list[str]:
-    """A command line as written in DESIGN.md, split into argv."""
+    """A command line as written in docs/architecture.md "CLI contract", split into argv."""
     return line.split()
 
 

@@ -1,4 +1,4 @@
-"""The PD wire contract through a real router over real HTTP (.notes/pd_contract.md)."""
+"""The PD wire contract through a real router over real HTTP (docs/disaggregation.md "Wire contract")."""
 
 from __future__ import annotations
 

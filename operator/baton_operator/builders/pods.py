@@ -1,6 +1,6 @@
 """Pod templates for the prefill, decode and router pools.
 
-Containers run the runtime CLI of DESIGN.md "CLI contract" verbatim (`command` + `args`), as a
+Containers run the runtime CLI of docs/architecture.md "CLI contract" verbatim (`command` + `args`), as a
 non-root user on a read-only root filesystem; everything the runtime writes goes to emptyDirs.
 """
 

@@ -1,7 +1,7 @@
 """KVTransfer: moves whole KV pages of one server's pool into another server's pool.
 
 The prefill side writes, the decode side receives. Both register their pool once at start-up
-(DESIGN.md "KV cache layout": the buffer never moves, page p always means the same slots), so a
+(docs/architecture.md "KV cache layout": the buffer never moves, page p always means the same slots), so a
 transfer is "these source pages, into those destination pages". The pool is page-major: a page
 (K and V of every layer) is one contiguous block of `layout.page_bytes`.
 `create_transfer` imports a backend only when it is asked for (nixl is optional).
