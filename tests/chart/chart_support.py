@@ -9,7 +9,8 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import yaml
-from baton_operator.manifests import CHART_DIR, MANIFESTS_DIR
+
+from charts.manifests import CHART_DIR, MANIFESTS_DIR
 
 CRD_FILE = CHART_DIR / "crds" / "inferenceservices.baton.dev.yaml"
 SAMPLE_FILE = MANIFESTS_DIR / "samples" / "inferenceservice.yaml"

@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from baton_operator.manifests import CHART_DIR, render_chart
 from chart_support import CRD_FILE, SAMPLE_FILE, Render, load_docs
+
+from charts.manifests import CHART_DIR, render_chart
 
 
 @pytest.fixture(scope="session")

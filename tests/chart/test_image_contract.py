@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from baton_operator.manifests import CHART_DIR, REPO_ROOT
+from charts.manifests import CHART_DIR, REPO_ROOT
 
 DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
 

@@ -1,4 +1,4 @@
-"""manifests/ is generated from the chart (baton_operator.manifests) and must not drift."""
+"""manifests/ is generated from the chart (charts/manifests.py) and must not drift."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import pytest
-from baton_operator import manifests
 from chart_support import K8S_VERSIONS, load_docs, validate_builtin
+
+from charts import manifests
 
 pytestmark = pytest.mark.timeout(120)  # each test renders with the Helm engine
 
 
 def test_manifests_match_a_fresh_render():
-    assert manifests.drifted() == [], "run `python -m baton_operator.manifests`"
+    assert manifests.drifted() == [], "run `python charts/manifests.py`"
     assert manifests.main(["--check"]) == 0
 
 
@@ -72,7 +73,7 @@ def test_validate_builtin_rejects_an_invalid_object():
 
 def test_manifests_module_imports_without_torch_or_helm():
     code = (
-        "import sys, baton_operator.manifests; "
+        "import sys, charts.manifests; "
         "assert 'torch' not in sys.modules and 'helm_python' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=manifests.REPO_ROOT)

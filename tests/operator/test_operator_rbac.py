@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from baton_operator.manifests import render_chart
 
+from charts.manifests import render_chart
 from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
 from tests.kube.kmock_cluster import EmulatedCluster
 from tests.kube.kubectl_tool import run_kubectl

@@ -1,4 +1,5 @@
-"""Generate manifests/ from the Helm chart, so the two never drift.
+"""Generate manifests/ from the Helm chart, so the two never drift (a dev script, not part of
+the operator: `python charts/manifests.py`).
 
 charts/baton is the one source of truth. This module renders it with the real Helm engine
 (helm-python-sdk, offline) for release "baton" in namespace "baton-system" and writes
@@ -10,8 +11,8 @@ The two labels that only make sense under Helm (`helm.sh/chart`,
 `app.kubernetes.io/managed-by: Helm`) are dropped from the plain manifests; nothing else changes.
 manifests/samples/ is hand-written and not generated.
 
-    python -m baton_operator.manifests           # rewrite manifests/
-    python -m baton_operator.manifests --check   # exit 1 when manifests/ differ from the chart
+    python charts/manifests.py           # rewrite manifests/
+    python charts/manifests.py --check   # exit 1 when manifests/ differ from the chart
 
 Imports neither torch nor helm_python at module level (helm is loaded when rendering).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO_ROOT / "charts" / "baton"
 MANIFESTS_DIR = REPO_ROOT / "manifests"
 RELEASE_NAME = "baton"
@@ -40,7 +41,7 @@ HELM_ONLY_LABEL = re.compile(r"^\s*(helm\.sh/chart|app\.kubernetes\.io/managed-b
 
 def _header(source: str) -> str:
     return (
-        f"# GENERATED from {source} by `python -m baton_operator.manifests`. Do not edit:\n"
+        f"# GENERATED from {source} by `python charts/manifests.py`. Do not edit:\n"
         "# change the chart and regenerate (tests/chart checks that this file matches).\n"
     )
 
@@ -127,7 +128,7 @@ def write(out_dir: Path = MANIFESTS_DIR, chart_dir: Path = CHART_DIR) -> list[Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m baton_operator.manifests",
+        prog="python charts/manifests.py",
         description="Generate manifests/ from the Helm chart.",
     )
     parser.add_argument(
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         stale = drifted(args.out, args.chart)
         for name in stale:
             print(
-                f"{args.out / name} is out of date; run `python -m baton_operator.manifests`",
+                f"{args.out / name} is out of date; run `python charts/manifests.py`",
                 file=sys.stderr,
             )
         return 1 if stale else 0
