@@ -221,8 +221,8 @@ class DecodeRole(Generic[R]):
         """A failed room: free its pages once no write for it can land in them."""
         if not self._writes_over(r):
             return
-        if self.transfer.arrived(r.room.room) is not None:
-            self.tally.add("late_write_contained")  # it landed in pages we had kept back
+        if not r.prefill_done and self.transfer.arrived(r.room.room) is not None:
+            self.tally.add("late_write_contained")  # it came after we gave up: pages kept back
         self.kv.release(r.req)
         self.transfer.discard(r.room.room)
         self._drop(r)
