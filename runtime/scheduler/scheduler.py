@@ -161,8 +161,14 @@ class Scheduler:
         return list(unique.values())
 
     def num_running(self) -> int:
-        """Requests it is computing: the decode batch and prompts being prefilled."""
-        return len(self.requests()) - len(self.waiting)
+        """Requests it is computing: the decode batch and prompts being prefilled (counted
+        without building lists: the loop asks every breath)."""
+        n = len(self.running.reqs)
+        extending = self.last_extend.reqs if self.last_extend is not None else []
+        n += len(extending)
+        if self.chunked_req is not None and self.chunked_req not in extending:
+            n += 1
+        return n
 
     def has_work(self) -> bool:
         return bool(

@@ -7,7 +7,6 @@ transfer backend (tcp; `OneSided` answers as nixl does) are the real ones."""
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -208,8 +207,3 @@ def polls_until(role: Any, check: Callable[[], bool], timeout: float = 5.0) -> l
 def state(role: Any, room: int) -> RoomState | None:
     r = role.rooms.get(room)
     return None if r is None else r.room.state
-
-
-def wait_idle() -> None:
-    """Let worker threads run what was submitted (the roles' lanes)."""
-    threading.Event().wait(0.01)
