@@ -184,6 +184,12 @@ class ServerArgs:
                        "call register_sampler_backend"),
     )
     max_body_bytes: int = field(default=1 << 20, metadata=_help("larger bodies get 413"))
+    api_key: tuple[str, ...] = field(default=(), metadata=_help(
+        "require `Authorization: Bearer KEY` (repeatable; also $BATON_API_KEY, comma-separated)"))
+    api_key_file: str | None = field(default=None, metadata=_help(
+        "keys to require, one per line; read again when it changes"))
+    protect_metrics: bool = field(default=False, metadata=_help(
+        "require a key for /metrics too (/health and /ready stay open)"))
     request_timeout_s: float = field(
         default=600.0, metadata=_help("abort a request that makes no progress this long")
     )

@@ -28,6 +28,7 @@ from typing import IO
 
 import httpx
 
+from runtime.auth.api_keys import ENV as API_KEY_ENV
 from runtime.auth.key import ENV as KEY_ENV
 from runtime.errors import error_message
 from runtime.lifecycle import die_with_parent
@@ -44,13 +45,15 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # its own, on top of the deployment's
     ready_after: float | None = None
     not_ready: str = "no answer yet"  # what its last GET /ready said
     extra: dict[str, int] = field(default_factory=dict)
 
     def start(self, env: dict[str, str]) -> None:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**env, **self.env},
                                      start_new_session=True, preexec_fn=die_with_parent)
 
     def exited(self) -> int | None:
@@ -77,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
     p.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl")
     p.add_argument("--policy", choices=["round_robin", "least_load", "prefix"], default="round_robin")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the router requires `Authorization: Bearer KEY` (else also $BATON_API_KEY)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="one log file per process (default: a new folder under the temp dir)")
     return p
@@ -117,7 +122,10 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
         flag = "--prefill" if c.name.startswith("prefill") else "--decode"
         value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url
         router += [flag, value]
-    children.append(Child("router", router, f"http://{args.host}:{args.port}", log_dir / "router.log"))
+    # the key travels in the router's environment, never on a command line `ps` shows
+    key = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
+    children.append(Child("router", router, f"http://{args.host}:{args.port}",
+                          log_dir / "router.log", env=key))
     return children
 
 
@@ -207,12 +215,13 @@ def _signal(child: Child, sig: int) -> None:
             os.killpg(child.proc.pid, sig)
 
 
-def banner(url: str, model: str, log_dir: Path) -> str:
+def banner(url: str, model: str, log_dir: Path, keyed: bool = False) -> str:
     model = model.removeprefix("builtin:")  # the name the workers serve it as
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 32})
     return (f"\nbaton is up: {url}  (OpenAI API under /v1; logs in {log_dir})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            + ("       -H 'Authorization: Bearer <your --api-key>' \\\n" if keyed else "") +
             f"       -d '{body}'\n"
             "Ctrl-C stops everything.\n")
 
@@ -235,7 +244,8 @@ def main(argv: list[str]) -> int:
         # tickets, bootstrap calls and KV links are authenticated, as in a cluster
         deployment.start(os.environ.get(KEY_ENV) or secrets.token_hex(32))
         deployment.wait_ready()
-        print(banner(deployment.children[-1].url, args.model, log_dir), flush=True)
+        print(banner(deployment.children[-1].url, args.model, log_dir, bool(args.api_key)),
+              flush=True)
         return deployment.watch()
     except KeyboardInterrupt:
         return 0

@@ -19,10 +19,12 @@ from runtime.router.args import build_parser as router_parser
 from runtime.server.args import parse_server_args
 from tests.up_process import Up, alive, descendants
 
+API_KEY = "sk-up-0123456789abcdef"
+
 
 @pytest.fixture
 def up(tiny_path: Path, tmp_path: Path) -> Iterator[Up]:
-    u = Up(tiny_path, tmp_path, "--kv-transfer", "tcp")
+    u = Up(tiny_path, tmp_path, "--kv-transfer", "tcp", "--api-key", API_KEY)
     yield u
     u.close()
 
@@ -47,7 +49,9 @@ def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
     assert f"curl {up.url}/v1/chat/completions" in text and "[5/5]" not in text
     chat = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
             "temperature": 0}
-    with httpx.Client(timeout=60) as http:
+    assert "Authorization: Bearer" in text  # its curl example says the router wants a key
+    assert httpx.post(f"{up.url}/v1/chat/completions", json=chat).status_code == 401
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         r = http.post(f"{up.url}/v1/chat/completions", json=chat)
         assert r.status_code == 404, r.text  # served under its path, not "x"
         model = http.get(f"{up.url}/v1/models").json()["data"][0]["id"]
@@ -60,6 +64,8 @@ def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
         assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["choices"]
     kids = descendants(up.proc.pid)
     assert len(kids) >= 5  # router, 2 servers with a scheduler process each
+    for pid in kids:  # the key is in the router's environment, on no command line
+        assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0, up.text()
     deadline = time.monotonic() + 10

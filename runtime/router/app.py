@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from runtime.auth.api_keys import ApiKeyGate, ApiKeys
 from runtime.auth.key import load_cluster_key, warn_if_open
 from runtime.router.config import DnsName, Role, RouterConfig
 from runtime.router.discovery import (
@@ -52,10 +53,12 @@ class Router:
         self.workers = Workers()
         self.metrics = RouterMetrics()
         self.policy = build_policy(config.policy, config)
+        self.api_keys = ApiKeys.load(config.api_key, config.api_key_file)
         self.client = httpx.AsyncClient(
             trust_env=False,  # workers are reached directly, never through an env proxy
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s))
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            auth=self._present_key)
         self.proxy = Proxy(self.client, self.metrics, config)
         self.health = HealthChecker(self.client, self.workers, self.metrics,
                                     config.health_interval_s, config.health_timeout_s,
@@ -79,6 +82,11 @@ class Router:
             await self.proxy.drain(self.config.abort_timeout_s)
             await self.client.aclose()
             await self.discovery.close()
+
+    def _present_key(self, request: httpx.Request) -> httpx.Request:
+        """Every call to a worker carries this deployment's API key (when it has one)."""
+        request.headers.update(self.api_keys.presented())
+        return request
 
     async def _membership_changed(self, joined: list[Worker], left: list[Worker]) -> None:
         for worker in left:
@@ -168,6 +176,7 @@ def create_app(config: RouterConfig, discovery: Discovery | None = None,
 
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(ApiKeyGate, keys=router.api_keys, protect_metrics=config.protect_metrics)
     _add_routes(app, router)
     _add_error_handlers(app)
     return app

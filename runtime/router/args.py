@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
-from runtime.auth.key import KeyProblem, load_cluster_key
+from runtime.auth.api_keys import ApiKeys
+from runtime.auth.key import load_cluster_key
 from runtime.router.config import (
     DEFAULT_BOOTSTRAP_PORT,
     DISCOVERY_MODES,
@@ -86,6 +87,13 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-key-file", default=None, metavar="PATH",
                    help="the deployment's shared cluster key (else $BATON_CLUSTER_KEY): each "
                    "request's rooms go to its workers with a signed room ticket")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require `Authorization: Bearer KEY` of clients (repeatable; also "
+                   "$BATON_API_KEY); the first key is presented to the workers")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="keys to require, one per line; read again when it changes")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="require a key for /metrics too (/health and /ready stay open)")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
                    help=f"(default: {DEFAULT.log_level})")
 
@@ -104,7 +112,8 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         _check_kubernetes_flags(parser, ns)
     try:
         load_cluster_key(ns.cluster_key_file)
-    except KeyProblem as e:
+        ApiKeys.load(ns.api_key, ns.api_key_file)
+    except ValueError as e:  # (KeyProblem too)
         parser.error(str(e))
     for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
                                  strict=True):
@@ -124,7 +133,8 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
         prefix_min_chars=ns.prefix_min_chars,
         prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
-        cluster_key_file=ns.cluster_key_file,
+        cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
+        api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
     )
 
 

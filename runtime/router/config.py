@@ -64,4 +64,7 @@ class RouterConfig:
     prefix_capacity: int = 65536  # prefix blocks remembered (LRU)
     cluster_key_file: str | None = None  # else $BATON_CLUSTER_KEY: room tickets are signed
     ticket_ttl_s: float = 60.0  # how long a worker accepts a room ticket after it was signed
+    api_key: tuple[str, ...] = ()  # required of clients, and presented to the workers
+    api_key_file: str | None = None
+    protect_metrics: bool = False
     log_level: str = "info"

@@ -163,9 +163,9 @@ class Scheduler:
     def num_running(self) -> int:
         """Requests it is computing: the decode batch and prompts being prefilled (counted
         without building lists: the loop asks every breath)."""
-        n = len(self.running.reqs)
         extending = self.last_extend.reqs if self.last_extend is not None else []
-        n += len(extending)
+        n = sum(1 for r in self.running.reqs if not r.finished)  # finished ones leave at the
+        n += sum(1 for r in extending if not r.finished)  # next fold, which may be a while
         if self.chunked_req is not None and self.chunked_req not in extending:
             n += 1
         return n

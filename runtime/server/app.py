@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from runtime.auth.api_keys import ApiKeyGate, ApiKeys
 from runtime.config import ServerArgs
 from runtime.errors import error_body
 from runtime.server import native_api, openai_api
@@ -72,7 +73,8 @@ def _watch_step(app: FastAPI, proc: ProcessHandle, waited: float) -> str | None:
 
 
 def create_app(
-    args: ServerArgs, tm: TokenizerManager, proc: ProcessHandle, request_exit: Callable[[], None]
+    args: ServerArgs, tm: TokenizerManager, proc: ProcessHandle, request_exit: Callable[[], None],
+    keys: ApiKeys | None = None,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +93,7 @@ def create_app(
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_middleware(BodyLimit, max_bytes=args.max_body_bytes)
+    app.add_middleware(ApiKeyGate, keys=keys or ApiKeys(), protect_metrics=args.protect_metrics)
     app.add_middleware(ErrorGuard, metrics=tm.metrics)  # added last: the outermost
     app.include_router(openai_api.router)
     app.include_router(native_api.router)

@@ -15,7 +15,8 @@ import types
 import typing
 from typing import Any
 
-from runtime.auth.key import KeyProblem, load_cluster_key
+from runtime.auth.api_keys import ApiKeys
+from runtime.auth.key import load_cluster_key
 from runtime.config import DisaggConfig, ServerArgs
 
 ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
@@ -85,6 +86,7 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
     ns["plugin"] = tuple(ns["plugin"] or ())
+    ns["api_key"] = tuple(ns["api_key"] or ())
     nested = {
         name: cls(**{f.name: ns.pop(f.name) for f in dataclasses.fields(cls)})
         for name, cls in _sections().items()
@@ -122,6 +124,7 @@ def _check(args: ServerArgs) -> list[str]:
         problems.append("--kv-port must be in 0..65535 (0: any free port)")
     try:
         load_cluster_key(d.cluster_key_file)
-    except KeyProblem as e:
+        ApiKeys.load(args.api_key, args.api_key_file)
+    except ValueError as e:  # (KeyProblem too)
         problems.append(str(e))
     return problems

@@ -20,6 +20,7 @@ from types import FrameType
 
 import uvicorn
 
+from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
 from runtime.auth.ticket import TicketGate
 from runtime.config import ServerArgs
@@ -94,7 +95,7 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
 
     server.begin_drain = lambda: begin_drain(tm, args.shutdown_grace_s, request_exit)
 
-    app = create_app(args, tm, proc, request_exit)
+    app = create_app(args, tm, proc, request_exit, ApiKeys.load(args.api_key, args.api_key_file))
     config.app = app
     log.info("HTTP on http://%s:%d (ready once the model is warmed up)", args.host, args.port)
     server.run()

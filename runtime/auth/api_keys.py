@@ -1,0 +1,115 @@
+"""API keys at the front door: the router and every worker can require
+`Authorization: Bearer <key>` (what the OpenAI SDK sends as `api_key`).
+
+Keys come from `--api-key KEY` (repeatable), `--api-key-file PATH` (one key per line; blank lines
+and `#` comments ignored) and `$BATON_API_KEY` (comma-separated). The file is read again when it
+changes (checked every RELOAD_S), so a rotated Secret mounted there takes effect without a
+restart and without touching requests in flight; during a rotation list both keys for a while.
+A key is compared in constant time against every key; no key is ever logged or echoed.
+`/health` and `/ready` stay open (probes), `/metrics` too unless `--protect-metrics`. A refusal
+is a 401 in the OpenAI error shape (`code: invalid_api_key`) with `WWW-Authenticate: Bearer`.
+The router presents its own first key to the workers behind it (one key set per deployment).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.errors import error_body
+
+log = logging.getLogger(__name__)
+
+ENV = "BATON_API_KEY"
+RELOAD_S = 5.0
+PROBES = frozenset({"/health", "/ready"})
+
+
+class ApiKeys:
+    def __init__(self, keys: Sequence[str] = (), path: str | None = None) -> None:
+        self.fixed = tuple(k for k in keys if k)
+        self.path = path
+        self._from_file: tuple[str, ...] = ()
+        self._mtime: float | None = None
+        self._checked = 0.0
+        if path is not None:
+            self._reload(force=True)
+
+    @classmethod
+    def load(cls, keys: Sequence[str], path: str | None,
+             env: Mapping[str, str] = os.environ) -> ApiKeys:
+        from_env = [k.strip() for k in env.get(ENV, "").split(",") if k.strip()]
+        return cls([*keys, *from_env], path)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys())
+
+    def keys(self) -> tuple[str, ...]:
+        self._reload()
+        return self.fixed + self._from_file
+
+    def presented(self) -> dict[str, str]:
+        """The header this side sends to the workers behind it ({} without keys)."""
+        keys = self.keys()
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether this `Authorization` header carries one of the keys (always, without keys)."""
+        keys = self.keys()
+        if not keys:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = ""
+        matches = [hmac.compare_digest(given.strip().encode(), k.encode()) for k in keys]
+        return any(matches)
+
+    def _reload(self, force: bool = False) -> None:
+        if self.path is None or (not force and time.monotonic() - self._checked < RELOAD_S):
+            return
+        self._checked = time.monotonic()
+        try:
+            mtime = os.stat(self.path).st_mtime
+            if mtime == self._mtime and not force:
+                return
+            lines = Path(self.path).read_text().splitlines()
+        except OSError as e:
+            if force:
+                raise ValueError(f"--api-key-file {self.path}: {e.strerror or e}") from e
+            log.warning("--api-key-file %s: %s; keeping the keys read before", self.path, e)
+            return
+        self._mtime = mtime
+        self._from_file = tuple(ln.strip() for ln in lines
+                                if ln.strip() and not ln.strip().startswith("#"))
+        if not force:
+            log.info("--api-key-file changed: %d key(s) now", len(self._from_file))
+
+
+class ApiKeyGate:
+    """ASGI middleware: a request outside the open paths needs one of the keys."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, protect_metrics: bool = False) -> None:
+        self.app, self.keys = app, keys
+        self.open = PROBES if protect_metrics else PROBES | {"/metrics"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.open:
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        if self.keys.allows(header):
+            return await self.app(scope, receive, send)
+        why = ("Incorrect API key provided" if header else
+               "Missing API key: send it as `Authorization: Bearer <key>`")
+        body = json.dumps(error_body(why, "invalid_request_error", "invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,138 @@
+"""API keys at the front door (issue: the front door): a worker and a router that require a key
+answer 401 in the OpenAI shape without one or with a wrong one, serve the OpenAI SDK with the
+right one, keep the probes open, never echo or log a key, and take a rotated key file without
+a restart and without cutting a stream in flight."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from runtime.auth.api_keys import ApiKeys
+from tests.router.router_process import start_router
+from tests.server.server_process import ServerProcess
+
+KEY, OTHER = "sk-first-0123456789", "sk-second-9876543210"
+
+
+def test_keys_from_flags_env_and_a_file_that_changes(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# rotated monthly\n\nsk-a\n")
+    keys = ApiKeys.load(["sk-flag"], str(path), {"BATON_API_KEY": "sk-env1, sk-env2"})
+    assert keys.keys() == ("sk-flag", "sk-env1", "sk-env2", "sk-a")
+    assert keys.allows("Bearer sk-a") and keys.allows("bearer sk-env2")
+    assert not keys.allows("Bearer sk-b") and not keys.allows("sk-a") and not keys.allows(None)
+    assert keys.presented() == {"Authorization": "Bearer sk-flag"}
+    path.write_text("sk-b\n")
+    keys._checked = 0.0  # (the reload interval passed)
+    assert keys.allows("Bearer sk-b") and not keys.allows("Bearer sk-a")
+    assert not ApiKeys().enabled and ApiKeys().allows(None) and ApiKeys().presented() == {}
+    with pytest.raises(ValueError, match="--api-key-file"):
+        ApiKeys(path=str(tmp_path / "missing"))
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    logs = tmp_path_factory.mktemp("keyed")
+    key_file = logs / "keys"
+    key_file.write_text(f"{KEY}\n")
+    srv = ServerProcess("--api-key-file", str(key_file), "--served-model-name", "tiny",
+                        model=str(tiny_path), log_path=logs / "server.log")
+    srv.wait_ready()
+    yield srv, key_file
+    srv.stop()
+
+
+def test_no_key_or_a_wrong_key_is_401_and_the_probes_stay_open(keyed: tuple[ServerProcess, Path]) -> None:
+    srv, _ = keyed
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": f"Bearer {OTHER}"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert KEY not in r.text and OTHER not in r.text
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{srv.url}{path}").status_code == 200, path
+    assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+    assert KEY not in srv.log() and OTHER not in srv.log()
+
+
+def test_the_openai_sdk_works_with_the_key(keyed: tuple[ServerProcess, Path]) -> None:
+    srv, _ = keyed
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY)
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{srv.url}/v1", api_key=OTHER).models.list()
+
+
+def test_a_rotated_key_file_takes_effect_without_cutting_a_stream(
+        keyed: tuple[ServerProcess, Path]) -> None:
+    srv, key_file = keyed
+    body = {"text": "Count:", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    tokens = 0
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{srv.url}/generate", json=body,
+            headers={"Authorization": f"Bearer {KEY}"}) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            tokens += len(json.loads(line[6:])["output_ids"])
+            if tokens == 1:  # mid-stream: the Secret now holds the new key only
+                key_file.write_text(f"{OTHER}\n")
+                deadline = time.monotonic() + 15
+                while httpx.get(f"{srv.url}/v1/models",
+                                headers={"Authorization": f"Bearer {OTHER}"}).status_code != 200:
+                    assert time.monotonic() < deadline, "the new key never took effect"
+                    time.sleep(0.2)
+    assert tokens == 400  # the stream that began under the old key ran to its end
+    old = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert old.status_code == 401
+    key_file.write_text(f"{KEY}\n")  # back, for the other tests: once it took effect
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{srv.url}/v1/models",
+                    headers={"Authorization": f"Bearer {KEY}"}).status_code != 200:
+        assert time.monotonic() < deadline, "the key file's first key never came back"
+        time.sleep(0.2)
+
+
+def test_router_and_workers_behind_it(keyed: tuple[ServerProcess, Path], tmp_path: Path) -> None:
+    """A router with a key requires it of clients and presents it to the workers behind it,
+    whose own key check that passes: /v1/models goes through to the keyed worker."""
+    srv, _ = keyed
+    router = start_router("--prefill", f"{srv.url},1", "--decode", srv.url, "--api-key", KEY,
+                          "--protect-metrics", log_path=tmp_path / "router.log", ready=False)
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(f"{router.url}/health"):
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.1)
+        assert httpx.get(f"{router.url}/v1/models").status_code == 401
+        assert httpx.get(f"{router.url}/metrics").status_code == 401  # --protect-metrics
+        assert httpx.get(f"{router.url}/health").status_code == 200
+        deadline = time.monotonic() + 15
+        while True:  # until the router has seen the worker ready
+            r = httpx.get(f"{router.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny", r.text
+        assert KEY not in router.log()
+    finally:
+        assert router.stop() == 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.ConnectError:
+        return False
