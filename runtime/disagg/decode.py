@@ -281,7 +281,9 @@ class DecodeRole(Generic[R]):
         return [r.req for r in self.rooms.values() if not r.req.finished]
 
     def queued(self) -> int:
-        return len(self.requests())  # all wait for their KV (or pages) before the scheduler
+        # all wait for their KV (or pages) before the scheduler; counted, not listed: the loop
+        # asks every breath
+        return sum(1 for r in self.rooms.rooms.values() if not r.req.finished)
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
