@@ -92,3 +92,45 @@ def as_list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise InvalidSpec(f"{where}: expected a list, got {type(value).__name__}")
     return value
+
+
+PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def peers(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    """NetworkPolicyPeer list: each names pods (podSelector and/or namespaceSelector) or
+    addresses (ipBlock), never both."""
+    items = objects(value, where)
+    for i, peer in enumerate(items):
+        at = f"{where}[{i}]"
+        unknown = set(peer) - set(PEER_KEYS)
+        if unknown or not peer:
+            raise InvalidSpec(f"{at}: expected podSelector, namespaceSelector or ipBlock, "
+                              f"got {sorted(unknown) or 'nothing'}")
+        if "ipBlock" in peer and len(peer) > 1:
+            raise InvalidSpec(f"{at}: ipBlock cannot be combined with a selector")
+        if "ipBlock" in peer:
+            block = mapping(peer["ipBlock"], f"{at}.ipBlock")
+            string(block.get("cidr"), f"{at}.ipBlock.cidr")
+            strings(block.get("except"), f"{at}.ipBlock.except")
+        for key in ("podSelector", "namespaceSelector"):
+            if key in peer:
+                label_selector(peer[key], f"{at}.{key}")
+    return items
+
+
+def label_selector(value: Any, where: str) -> Mapping[str, Any]:
+    selector = mapping(value, where)
+    unknown = set(selector) - {"matchLabels", "matchExpressions"}
+    if unknown:
+        raise InvalidSpec(f"{where}: unknown fields {sorted(unknown)}")
+    string_map(selector.get("matchLabels"), f"{where}.matchLabels")
+    for i, term in enumerate(objects(selector.get("matchExpressions"), f"{where}.matchExpressions")):
+        at = f"{where}.matchExpressions[{i}]"
+        string(term.get("key"), f"{at}.key")
+        operator = choice(term.get("operator"), f"{at}.operator", SELECTOR_OPERATORS)
+        values = strings(term.get("values"), f"{at}.values")
+        if (operator in ("In", "NotIn")) != bool(values):
+            raise InvalidSpec(f"{at}: {operator} {'needs' if not values else 'takes no'} values")
+    return selector

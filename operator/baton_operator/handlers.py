@@ -35,6 +35,7 @@ CHILD_KINDS = (("apps", "v1", "deployments", "Deployment"), ("", "v1", "services
                ("networking.k8s.io", "v1", "ingresses", "Ingress"),
                ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
                ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+               ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
                ("", "v1", "serviceaccounts", "ServiceAccount"),
                ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
                ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"))

@@ -20,6 +20,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Secret"): "secrets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",

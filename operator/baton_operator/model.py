@@ -52,22 +52,25 @@ def parse_model(model: Mapping[str, Any]) -> ModelSource:
     """Parse `spec.model`; see docs/architecture.md "CLI contract" for what each scheme renders to."""
     uri = string(model.get("uri"), "spec.model.uri")
     kind, location, sub_path = _split_uri(uri)
-    token = model.get("tokenSecretRef")
-    secret: SecretKeyRef | None = None
-    if token is not None:
-        if kind != "hf":
-            raise InvalidSpec("spec.model.tokenSecretRef: only hf:// models take a token Secret")
-        token = mapping(token, "spec.model.tokenSecretRef")
-        secret = SecretKeyRef(
-            name=matching(token.get("name"), "spec.model.tokenSecretRef.name", DNS_SUBDOMAIN),
-            key=matching(token.get("key", "token"), "spec.model.tokenSecretRef.key", _SECRET_KEY),
-        )
+    secret = secret_ref(model.get("tokenSecretRef"), "spec.model.tokenSecretRef",
+                        default_key="token")
+    if secret is not None and kind != "hf":
+        raise InvalidSpec("spec.model.tokenSecretRef: only hf:// models take a token Secret")
     served = model.get("servedName") or _default_served_name(location, sub_path)
     served = string(served, "spec.model.servedName")
     if any(c.isspace() for c in served):
         raise InvalidSpec(f"spec.model.servedName {served!r}: must not contain whitespace")
     return ModelSource(uri=uri, kind=kind, location=location, sub_path=sub_path,
                        served_name=served, token_secret=secret)
+
+
+def secret_ref(raw: Any, where: str, *, default_key: str) -> SecretKeyRef | None:
+    """A `{name, key}` reference to one key of a Secret; None when absent."""
+    if raw is None:
+        return None
+    ref = mapping(raw, where)
+    return SecretKeyRef(name=matching(ref.get("name"), f"{where}.name", DNS_SUBDOMAIN),
+                        key=matching(ref.get("key", default_key), f"{where}.key", _SECRET_KEY))
 
 
 def _split_uri(uri: str) -> tuple[ModelKind, str, str]:

@@ -25,11 +25,12 @@ from baton_operator.checks import (
     mapping,
     matching,
     objects,
+    peers,
     string,
     string_map,
     strings,
 )
-from baton_operator.model import ModelSource, parse_model
+from baton_operator.model import ModelSource, SecretKeyRef, parse_model, secret_ref
 
 __all__ = ["ROLES", "WORKER_ROLES", "InferenceService", "InvalidSpec", "ModelSource",
            "Role", "WorkerRole", "parse_service"]
@@ -74,6 +75,18 @@ class RouterPool:
     resources: Mapping[str, Any] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
+    api_key_secret: SecretKeyRef | None = None  # spec.router.auth.apiKeySecretRef
+
+
+@dataclass(frozen=True)
+class NetworkPolicies:
+    """spec.networkPolicy: one ingress NetworkPolicy per pool. `router_from` None lets anyone
+    reach the router's port; `metrics_from` peers may also reach every pod's HTTP port (which
+    serves /metrics)."""
+
+    enabled: bool = True
+    router_from: tuple[Mapping[str, Any], ...] | None = None
+    metrics_from: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,7 @@ class InferenceService:
     kv_backend: str = "nixl"
     ingress: Ingress | None = None
     autoscaling: Mapping[str, Autoscale] = field(default_factory=dict)
+    network_policy: NetworkPolicies = field(default_factory=NetworkPolicies)
 
     def pool(self, role: WorkerRole) -> Pool:
         return self.prefill if role == "prefill" else self.decode
@@ -149,6 +163,7 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
                           "spec.kvTransfer.backend", KV_BACKENDS),
         ingress=_ingress(spec.get("ingress")),
         autoscaling=_autoscaling(mapping(spec.get("autoscaling"), "spec.autoscaling")),
+        network_policy=_network_policy(mapping(spec.get("networkPolicy"), "spec.networkPolicy")),
     )
 
 
@@ -185,6 +200,21 @@ def _router(raw: Any, where: str) -> RouterPool:
         resources=mapping(router.get("resources"), f"{where}.resources"),
         args=strings(router.get("args"), f"{where}.args"),
         env=env_vars(router.get("env"), f"{where}.env"),
+        api_key_secret=secret_ref(mapping(router.get("auth"), f"{where}.auth").get(
+            "apiKeySecretRef"), f"{where}.auth.apiKeySecretRef", default_key="api-keys"),
+    )
+
+
+def _network_policy(raw: Mapping[str, Any]) -> NetworkPolicies:
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise InvalidSpec(f"spec.networkPolicy.enabled {enabled!r}: expected true or false")
+    router_from = raw.get("routerFrom")
+    return NetworkPolicies(
+        enabled=enabled,
+        router_from=None if router_from is None else peers(router_from,
+                                                            "spec.networkPolicy.routerFrom"),
+        metrics_from=peers(raw.get("metricsFrom"), "spec.networkPolicy.metricsFrom"),
     )
 
 

@@ -158,6 +158,10 @@ def test_kubectl_apply_ends_in_a_ready_service(local: LocalCluster, cluster: Clu
     ips = [p["status"]["podIP"] for role in ("prefill", "decode", "router")
            for p in pods(cluster, role)]
     assert len(set(ips)) == 3 and all(ip.startswith("127.0.0.") for ip in ips), ips
+    # rendered and stored (this one-machine cluster has no CNI to enforce them; what they let
+    # through is checked in tests/operator/test_operator_network_policy.py)
+    policies = {name for kind, name in cluster.children() if kind == "NetworkPolicy"}
+    assert policies == {f"{NAME}-{role}" for role in ("prefill", "decode", "router")}
 
 
 def test_streamed_chat_through_the_router_pod_equals_colocated(

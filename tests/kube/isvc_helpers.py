@@ -23,11 +23,13 @@ MERGE = "application/merge-patch+json"
 T = TypeVar("T")
 
 CHILD_PLURALS = ("deployments", "services", "ingresses", "horizontalpodautoscalers",
-                 "poddisruptionbudgets")
+                 "poddisruptionbudgets", "networkpolicies")
 # What a minimal service turns into (docs/operator.md "Children").
 CORE_CHILDREN = {
     ("Deployment", "{n}-prefill"), ("Deployment", "{n}-decode"), ("Deployment", "{n}-router"),
     ("Service", "{n}-prefill"), ("Service", "{n}-decode"), ("Service", "{n}"),
+    ("NetworkPolicy", "{n}-prefill"), ("NetworkPolicy", "{n}-decode"),
+    ("NetworkPolicy", "{n}-router"),
 }
 
 
@@ -79,6 +81,8 @@ class Cluster:
                 autoscaling.list_namespaced_horizontal_pod_autoscaler),
             "PodDisruptionBudget": (policy.read_namespaced_pod_disruption_budget,
                                     policy.list_namespaced_pod_disruption_budget),
+            "NetworkPolicy": (networking.read_namespaced_network_policy,
+                              networking.list_namespaced_network_policy),
         }
 
     def create_namespace(self) -> None:

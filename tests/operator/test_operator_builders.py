@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -110,6 +111,31 @@ def test_the_router_command_parses_as_baton_router(discovery: str) -> None:
         assert config.decode_selector.endswith("baton.dev/role=decode")
 
 
+def test_the_router_reads_its_api_keys_from_the_secret_as_a_live_file(tmp_path: Path) -> None:
+    """apiKeySecretRef: the key is mounted as a file (a whole-volume mount, never subPath, so a
+    rotated Secret reaches the running router) and passed as --api-key-file, never as env."""
+    from runtime.router.args import parse_router_args
+
+    svc = service(router={"auth": {"apiKeySecretRef": {"name": "llm-keys", "key": "k"}}})
+    deployment = build_deployment(svc, "router")
+    argv = command(deployment)
+    assert argv[argv.index("--api-key-file") + 1] == "/etc/baton/api-keys/keys"
+    keys = tmp_path / "keys"  # the runtime reads the file while parsing: stand in for the mount
+    keys.write_text("sk-test\n")
+    argv[argv.index("--api-key-file") + 1] = str(keys)
+    assert parse_router_args(argv[2:]).api_key_file == str(keys)
+    pod = deployment["spec"]["template"]["spec"]
+    assert by_name(pod["volumes"])["api-keys"]["secret"] == {
+        "secretName": "llm-keys", "items": [{"key": "k", "path": "keys"}], "defaultMode": 0o440}
+    mount = by_name(main_container(deployment)["volumeMounts"])["api-keys"]
+    assert mount == {"name": "api-keys", "mountPath": "/etc/baton/api-keys", "readOnly": True}
+    assert "BATON_API_KEY" not in {e["name"] for e in main_container(deployment)["env"]}
+    for role in ("prefill", "decode"):  # workers are fenced by policy and room tickets
+        assert "api-keys" not in by_name(build_deployment(svc, role)["spec"]["template"]["spec"]
+                                         ["volumes"])
+    assert "--api-key-file" not in command(build_deployment(service(), "router"))
+
+
 def test_the_router_may_only_read_pods_in_its_namespace() -> None:
     """discovery kubernetes: its own ServiceAccount, a Role of get/list/watch on pods, bound;
     dns: none of them, and no token in the pod."""
@@ -195,7 +221,9 @@ def test_the_runtime_parser_accepts_the_rendered_serve_args(role: str) -> None:
 def test_default_children_set() -> None:
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in build_children(service()))
     assert kinds == [("Deployment", "llm-decode"), ("Deployment", "llm-prefill"),
-                     ("Deployment", "llm-router"), ("Role", "llm-router"),
+                     ("Deployment", "llm-router"), ("NetworkPolicy", "llm-decode"),
+                     ("NetworkPolicy", "llm-prefill"), ("NetworkPolicy", "llm-router"),
+                     ("Role", "llm-router"),
                      ("RoleBinding", "llm-router"), ("Service", "llm"),
                      ("Service", "llm-decode"), ("Service", "llm-prefill"),
                      ("ServiceAccount", "llm-router")]
@@ -368,7 +396,7 @@ def test_every_child_is_owned_and_labelled() -> None:
                   autoscaling={"prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
                   router={"replicas": 2})
     children = build_children(svc)
-    assert len(children) == 6 + 3 + 1 + 2 + 3
+    assert len(children) == 6 + 3 + 1 + 2 + 3 + 3
     for child in children:
         meta = child["metadata"]
         assert meta["namespace"] == "ml"
@@ -473,7 +501,13 @@ def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
          "limits": {"nvidia.com/gpu": 1}}}]}}}},
     {"model": {"uri": "pvc://claim/dir"}, "decode": {"replicas": 4}},
     {"model": {"uri": "file:///srv/m"}, "router": {"replicas": 3}},
-], ids=["defaults", "hf-ingress-autoscaling", "pvc", "file"])
+    {"kvTransfer": {"backend": "tcp"}, "router": {"auth": {"apiKeySecretRef": {"name": "k"}}},
+     "networkPolicy": {"routerFrom": [{"namespaceSelector": {"matchLabels": {"a": "b"}},
+                                       "podSelector": {"matchExpressions": [
+                                           {"key": "c", "operator": "Exists"}]}}],
+                       "metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8",
+                                                    "except": ["10.1.0.0/16"]}}]}},
+], ids=["defaults", "hf-ingress-autoscaling", "pvc", "file", "tcp-auth-fenced"])
 def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any]) -> None:
     for child in build_children(service(**spec)):
         kubernetes_validate.validate(child, "1.30", strict=True)

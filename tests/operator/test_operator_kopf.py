@@ -219,13 +219,14 @@ def test_operator_restart_converges(emulated: EmulatedCluster, cluster: Cluster,
         for key in (("Deployment", "llm-prefill"), ("Service", "llm"),
                     ("Service", "llm-prefill"), ("Service", "llm-decode")):
             assert after[key] == before[key], f"{key} was patched needlessly on resume"
-        # Exactly: llm's lost router, its decode PDB (2 replicas now) and late's six children
+        # Exactly: llm's lost router, its decode PDB (2 replicas now) and late's nine children
         # created, llm's decode patched; nothing else touched.
         writes = Counter(emulated.writes(mark, CHILD_PLURALS))
         assert writes == Counter({
             "POST /apis/apps/v1/namespaces/serving/deployments": 1 + 3,
             "POST /api/v1/namespaces/serving/services": 3,
             "POST /apis/policy/v1/namespaces/serving/poddisruptionbudgets": 1,
+            "POST /apis/networking.k8s.io/v1/namespaces/serving/networkpolicies": 3,
             "PATCH /apis/apps/v1/namespaces/serving/deployments/llm-decode": 1})
         make_ready(cluster, "llm")
         wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 20, "Ready")

@@ -33,6 +33,7 @@ TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
           ("horizontalpodautoscalers.v2.autoscaling/llm-prefill",  # not the preferred v1
            '{"spec":{"maxReplicas":9}}'),
           ("pdb/llm-decode", '{"spec":{"maxUnavailable":2}}'),
+          ("networkpolicy/llm-decode", '{"spec":{"ingress":[{}]}}'),
           ("role/llm-router", '{"rules":[{"apiGroups":[""],"resources":["secrets"],'
                               '"verbs":["get"]}]}'),
           ("rolebinding/llm-router", '{"subjects":[{"kind":"User","name":"mallory"}]}'),
@@ -71,7 +72,7 @@ def life_of_a_service(cluster: Cluster) -> None:
     """Create, tamper with each kind of child, become Ready, drop the optional children,
     delete: every request the operator makes in normal work."""
     cluster.create(isvc("llm", **SPEC))
-    wait_for(lambda: len(cluster.children()) == 10, 30, "ten children")
+    wait_for(lambda: len(cluster.children()) == 13, 30, "thirteen children")
     for target, patch in TAMPER:
         field = "{.spec}" if "spec" in patch else "{.rules}{.subjects}{.automountServiceAccountToken}"
         before = run_kubectl("get", target, "-o", f"jsonpath={field}")
@@ -82,7 +83,8 @@ def life_of_a_service(cluster: Cluster) -> None:
         cluster.set_deployment_status(f"llm-{role}")
     wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 10, "Ready")
     cluster.patch("llm", {"spec": {"ingress": None, "autoscaling": None,
-                                   "decode": {"replicas": 1}, "router": {"discovery": "dns"}}})
+                                   "decode": {"replicas": 1}, "router": {"discovery": "dns"},
+                                   "networkPolicy": {"enabled": False}}})
     wait_for(lambda: len(cluster.children()) == 6, 10, "optional children deleted")
     wait_for(lambda: not any(n.endswith("/llm-router") for n in run_kubectl(
         "get", "serviceaccounts,roles,rolebindings", "-o", "name").split()), 10,

@@ -32,6 +32,9 @@ def test_defaults_match_the_crd() -> None:
     assert svc.ingress is None and dict(svc.autoscaling) == {}
     assert svc.model.served_name == "smollm2-135m"
     assert svc.generation == 2
+    assert svc.router.api_key_secret is None
+    assert (svc.network_policy.enabled, svc.network_policy.router_from,
+            svc.network_policy.metrics_from) == (True, None, ())
 
 
 @pytest.mark.parametrize(("spec", "field"), [
@@ -65,6 +68,21 @@ def test_defaults_match_the_crd() -> None:
     ({"router": {"replicas": 2**31}}, "spec.router.replicas"),
     ({"autoscaling": {"decode": {"min": 1, "max": 2**31}}}, "spec.autoscaling.decode.max"),
     ({"model": {"uri": "hf://o/n", "tokenSecretRef": {"name": "a..b"}}}, "tokenSecretRef.name"),
+    ({"router": {"auth": {"apiKeySecretRef": {}}}}, "spec.router.auth.apiKeySecretRef.name"),
+    ({"router": {"auth": {"apiKeySecretRef": {"name": "k", "key": "a/b"}}}},
+     "spec.router.auth.apiKeySecretRef.key"),
+    ({"networkPolicy": {"enabled": "yes"}}, "spec.networkPolicy.enabled"),
+    ({"networkPolicy": {"routerFrom": {"podSelector": {}}}}, "spec.networkPolicy.routerFrom"),
+    ({"networkPolicy": {"routerFrom": [{}]}}, "spec.networkPolicy.routerFrom[0]"),
+    ({"networkPolicy": {"routerFrom": [{"pods": {}}]}}, "spec.networkPolicy.routerFrom[0]"),
+    ({"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                          "podSelector": {}}]}}, "metricsFrom[0]: ipBlock"),
+    ({"networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {"a": 1}}}]}},
+     "metricsFrom[0].podSelector.matchLabels"),
+    ({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "a", "operator": "In"}]}}]}}, "matchExpressions[0]: In needs values"),
+    ({"networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "a", "operator": "Near", "values": ["b"]}]}}]}}, "matchExpressions[0].operator"),
 ])
 def test_specs_that_can_never_work_are_rejected_with_the_field(spec: dict[str, Any],
                                                                field: str) -> None:

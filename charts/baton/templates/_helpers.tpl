@@ -95,7 +95,7 @@ app.kubernetes.io/component: operator
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch]
 {{- end }}
-{{- range list (list "networking.k8s.io" "ingresses") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") (list "" "serviceaccounts") (list "rbac.authorization.k8s.io" "roles") (list "rbac.authorization.k8s.io" "rolebindings") }}
+{{- range list (list "networking.k8s.io" "ingresses") (list "networking.k8s.io" "networkpolicies") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") (list "" "serviceaccounts") (list "rbac.authorization.k8s.io" "roles") (list "rbac.authorization.k8s.io" "rolebindings") }}
 - apiGroups: [{{ index . 0 | quote }}]
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch, delete]

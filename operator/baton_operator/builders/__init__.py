@@ -11,6 +11,10 @@ from baton_operator.builders.network import (
     build_ingress,
     build_router_service,
 )
+from baton_operator.builders.network_policy import (
+    build_network_policies,
+    network_policy_keys,
+)
 from baton_operator.builders.pods import (
     build_router_pod,
     build_worker_pod,
@@ -35,6 +39,7 @@ def build_children(svc: InferenceService) -> list[dict[str, Any]]:
         build_router_service(svc),
         *(build_deployment(svc, role) for role in ROLES),
         *(child for child in optional if child is not None),
+        *build_network_policies(svc),
     ]
 
 
@@ -43,7 +48,7 @@ def optional_children(svc: InferenceService) -> list[ChildKey]:
     keys: list[ChildKey] = [("networking.k8s.io/v1", "Ingress", svc.name)]
     keys += [("autoscaling/v2", "HorizontalPodAutoscaler", child_name(svc, r)) for r in WORKER_ROLES]
     keys += [("policy/v1", "PodDisruptionBudget", child_name(svc, r)) for r in ROLES]
-    return keys + router_access_keys(svc)
+    return keys + router_access_keys(svc) + network_policy_keys(svc)
 
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "build_headless_service",
     "build_hpa",
     "build_ingress",
+    "build_network_policies",
     "build_pdb",
     "build_router_access",
     "build_router_pod",

@@ -17,7 +17,8 @@ LABEL_ROLE = "baton.dev/role"
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
 KV_PORT = 8999  # decode: the KV receiver prefill pods open their links to
-UCX_PORTS = "20000-20015"  # nixl: UCX's TCP listeners (two per worker: lo and the pod's NIC)
+UCX_PORT_RANGE = (20000, 20015)  # nixl: UCX's TCP listeners (two per worker: lo and the NIC)
+UCX_PORTS = "{}-{}".format(*UCX_PORT_RANGE)
 
 
 def child_name(svc: InferenceService, role: Role) -> str:

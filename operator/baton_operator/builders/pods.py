@@ -27,6 +27,8 @@ from baton_operator.spec import InferenceService, Role, WorkerRole
 CONTAINER = "main"
 MODEL_VOLUME = "models"  # holds the weights at /models, whatever the source
 CACHE_DIR = "/cache"
+API_KEYS_VOLUME = "api-keys"
+API_KEYS_FILE = "/etc/baton/api-keys/keys"  # one key a line (runtime: --api-key-file)
 POD_SECURITY_CONTEXT: dict[str, Any] = {
     "runAsNonRoot": True,
     "runAsUser": 10001,  # the image's user (Dockerfile)
@@ -78,8 +80,9 @@ def router_command(svc: InferenceService) -> list[str]:
     else:
         workers = ["--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
                    "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}"]
+    auth = [] if svc.router.api_key_secret is None else ["--api-key-file", API_KEYS_FILE]
     return ["baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *workers,
-            "--policy", svc.router.policy, *svc.router.args]
+            "--policy", svc.router.policy, *auth, *svc.router.args]
 
 
 def _selector(svc: InferenceService, role: Role) -> str:
@@ -121,15 +124,32 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
 
 
 def build_router_pod(svc: InferenceService) -> dict[str, Any]:
+    volumes, mounts = _api_keys(svc)
     container = _container(svc, router_command(svc), [_port("http", HTTP_PORT)],
                            svc.router.resources, (cluster_key.ENV, *svc.router.env),
-                           mounts=[*_scratch_mounts(), cluster_key.key_mount()],
+                           mounts=[*_scratch_mounts(), cluster_key.key_mount(), *mounts],
                            startup=ROUTER_STARTUP)
-    spec = {"containers": [container], "volumes": [*_scratch_volumes(), cluster_key.key_volume(svc)],
+    spec = {"containers": [container],
+            "volumes": [*_scratch_volumes(), cluster_key.key_volume(svc), *volumes],
             "terminationGracePeriodSeconds": 30, **_pod_basics()}
     if svc.router.discovery == "kubernetes":  # it reads pods with its own ServiceAccount
         spec.update(serviceAccountName=router_account(svc), automountServiceAccountToken=True)
     return {"metadata": _pod_metadata(svc, "router"), "spec": spec}
+
+
+def _api_keys(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`spec.router.auth.apiKeySecretRef` as a file the router reads again when it changes.
+    A whole-volume mount (never subPath), so the kubelet's update of a rotated Secret reaches
+    the running router: no restart, no cut stream."""
+    ref = svc.router.api_key_secret
+    if ref is None:
+        return [], []
+    items = [{"key": ref.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]
+    volume = {"name": API_KEYS_VOLUME,
+              "secret": {"secretName": ref.name, "items": items, "defaultMode": 0o440}}
+    mount = {"name": API_KEYS_VOLUME, "mountPath": API_KEYS_FILE.rsplit("/", 1)[0],
+             "readOnly": True}
+    return [volume], [mount]
 
 
 def merge(base: Any, override: Any, field: str = "") -> Any:

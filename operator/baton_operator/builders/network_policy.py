@@ -1,0 +1,88 @@
+"""One ingress NetworkPolicy per pool (`spec.networkPolicy`, on by default).
+
+What each pool's pods accept, and from whom (all else is dropped by a CNI that enforces
+NetworkPolicy; egress is left open: routers call the API server, workers pull models):
+
+- router:  its HTTP port from anywhere, or only from `routerFrom` (e.g. the ingress controller)
+           and `metricsFrom`;
+- prefill: HTTP from this service's routers; bootstrap from this service's decodes;
+- decode:  HTTP from this service's routers; the KV port from this service's prefills;
+- nixl:    UCX's port range between this service's prefills and decodes, both ways;
+- workers: HTTP (which serves /metrics) from `metricsFrom` as well.
+
+Peers are named by the pools' selector labels, which carry the service's name, so no pod of
+another service (or another namespace: a bare podSelector stays in the policy's namespace)
+matches. Kubelet probes come from the node, which NetworkPolicy always lets through.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from baton_operator.builders.common import (
+    BOOTSTRAP_PORT,
+    HTTP_PORT,
+    KV_PORT,
+    UCX_PORT_RANGE,
+    child_name,
+    metadata,
+    selector_labels,
+)
+from baton_operator.spec import ROLES, InferenceService, Role
+
+API = "networking.k8s.io/v1"
+KIND = "NetworkPolicy"
+
+
+def build_network_policies(svc: InferenceService) -> list[dict[str, Any]]:
+    """The three policies, or none when `spec.networkPolicy.enabled` is false."""
+    if not svc.network_policy.enabled:
+        return []
+    return [_policy(svc, role, _rules(svc, role)) for role in ROLES]
+
+
+def network_policy_keys(svc: InferenceService) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every policy `build_network_policies` may build."""
+    return [(API, KIND, child_name(svc, role)) for role in ROLES]
+
+
+def _rules(svc: InferenceService, role: Role) -> list[dict[str, Any]]:
+    fence = svc.network_policy
+    http = [_port(HTTP_PORT)]
+    if role == "router":
+        if fence.router_from is None:
+            return [{"ports": http}]  # no `from`: every source
+        rules = [_rule(fence.router_from, http)]
+    else:
+        peer: Role = "decode" if role == "prefill" else "prefill"
+        kv_plane = [_port(BOOTSTRAP_PORT if role == "prefill" else KV_PORT)]
+        if svc.kv_backend == "nixl":
+            kv_plane.append(_port(*UCX_PORT_RANGE))
+        rules = [_rule([_pods(svc, "router")], http), _rule([_pods(svc, peer)], kv_plane)]
+    if fence.metrics_from:
+        rules.append(_rule(fence.metrics_from, http))
+    return rules
+
+
+def _policy(svc: InferenceService, role: Role, rules: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": API, "kind": KIND, "metadata": metadata(svc, child_name(svc, role), role),
+            "spec": {"podSelector": {"matchLabels": selector_labels(svc, role)},
+                     "policyTypes": ["Ingress"], "ingress": rules}}
+
+
+def _rule(sources: Sequence[Mapping[str, Any]], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"from": copy.deepcopy([dict(source) for source in sources]), "ports": ports}
+
+
+def _pods(svc: InferenceService, role: Role) -> dict[str, Any]:
+    """This service's pods of one pool (a bare podSelector: the policy's own namespace)."""
+    return {"podSelector": {"matchLabels": selector_labels(svc, role)}}
+
+
+def _port(port: int, end: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"protocol": "TCP", "port": port}
+    if end is not None:
+        spec["endPort"] = end
+    return spec

@@ -1,0 +1,177 @@
+"""The NetworkPolicies, checked by what they let through rather than by their text.
+
+A small evaluator of networking.k8s.io/v1 semantics (a pod selected by an Ingress policy is
+isolated; it accepts the union of its policies' rules; a bare podSelector peer means the
+policy's namespace) runs over a cluster of real pod templates: two services in one namespace,
+a service of the same name in another namespace, a stranger pod, an ingress controller and a
+Prometheus. Every (source pod, destination pod, port) it allows into a service's pods must be
+exactly the set docs/operator.md promises, no more and no less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from baton_operator.builders import build_children, build_deployment
+from baton_operator.spec import ROLES, InferenceService, parse_service
+
+UCX = range(20000, 20016)
+PROBED_PORTS = (22, 8000, 8997, 8998, 8999, 19999, 20000, 20007, 20015, 20016)
+NAMESPACES = {"serving": {"kubernetes.io/metadata.name": "serving"},
+              "other": {"kubernetes.io/metadata.name": "other"},
+              "ingress-nginx": {"kubernetes.io/metadata.name": "ingress-nginx"},
+              "monitoring": {"kubernetes.io/metadata.name": "monitoring", "team": "obs"}}
+INGRESS_CONTROLLER = [{"namespaceSelector": {"matchLabels": {
+                           "kubernetes.io/metadata.name": "ingress-nginx"}},
+                       "podSelector": {"matchLabels": {"app": "ingress-nginx"}}}]
+PROMETHEUS = [{"namespaceSelector": {"matchExpressions": [
+                   {"key": "team", "operator": "In", "values": ["obs"]}]}}]
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    namespace: str
+    labels: tuple[tuple[str, str], ...]
+
+
+def service(name: str, namespace: str, **spec: Any) -> InferenceService:
+    spec.setdefault("model", {"uri": "builtin:smollm2-135m"})
+    return parse_service({"metadata": {"name": name, "namespace": namespace, "uid": "u"},
+                          "spec": spec})
+
+
+def pods_of(svc: InferenceService) -> list[Pod]:
+    """One pod per pool, labelled as its Deployment's template says."""
+    pods = []
+    for role in ROLES:
+        labels = build_deployment(svc, role)["spec"]["template"]["metadata"]["labels"]
+        pods.append(Pod(f"{svc.namespace}/{svc.name}-{role}", svc.namespace,
+                        tuple(sorted(labels.items()))))
+    return pods
+
+
+def matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """metav1.LabelSelector semantics ({} matches everything)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for term in selector.get("matchExpressions") or []:
+        present, value = term["key"] in labels, labels.get(term["key"])
+        ok = {"In": present and value in term.get("values", ()),
+              "NotIn": not present or value not in term.get("values", ()),
+              "Exists": present, "DoesNotExist": not present}[term["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def peer_matches(peer: Mapping[str, Any], policy_ns: str, source: Pod) -> bool:
+    if "ipBlock" in peer:
+        return False  # addresses, not pods: never one of ours by selector
+    if "namespaceSelector" in peer:
+        if not matches(peer["namespaceSelector"], NAMESPACES[source.namespace]):
+            return False
+    elif source.namespace != policy_ns:
+        return False
+    return matches(peer.get("podSelector") or {}, dict(source.labels))
+
+
+def port_matches(rule: Mapping[str, Any], port: int) -> bool:
+    if "ports" not in rule:
+        return True
+    return any(p.get("protocol", "TCP") == "TCP"
+               and p["port"] <= port <= p.get("endPort", p["port"]) for p in rule["ports"])
+
+
+def allowed(policies: list[dict[str, Any]], pods: list[Pod]) -> set[tuple[str, str, int]]:
+    """Every (source, destination, port) let in, for the destinations some policy isolates."""
+    edges = set()
+    for dst in pods:
+        selecting = [p for p in policies if p["metadata"]["namespace"] == dst.namespace
+                     and "Ingress" in p["spec"]["policyTypes"]
+                     and matches(p["spec"]["podSelector"], dict(dst.labels))]
+        for policy in selecting:
+            for rule in policy["spec"].get("ingress") or []:
+                for src in pods:
+                    if "from" in rule and not any(
+                            peer_matches(peer, dst.namespace, src) for peer in rule["from"]):
+                        continue
+                    edges |= {(src.name, dst.name, port) for port in PROBED_PORTS
+                              if port_matches(rule, port)}
+    return edges
+
+
+def promised(svc: InferenceService, pods: list[Pod], *, router_from: list[str] | None,
+             metrics_from: list[str]) -> set[tuple[str, str, int]]:
+    """What docs/operator.md says each of `svc`'s pods accepts, written out by hand."""
+    me = f"{svc.namespace}/{svc.name}"
+    everyone = [p.name for p in pods]
+    nixl = [port for port in PROBED_PORTS if port in UCX] if svc.kv_backend == "nixl" else []
+    edges = {(src, f"{me}-router", 8000) for src in (everyone if router_from is None
+                                                       else router_from + metrics_from)}
+    edges |= {(src, f"{me}-{role}", 8000) for role in ("prefill", "decode")
+              for src in [f"{me}-router", *metrics_from]}
+    edges |= {(f"{me}-decode", f"{me}-prefill", port) for port in [8998, *nixl]}
+    edges |= {(f"{me}-prefill", f"{me}-decode", port) for port in [8999, *nixl]}
+    return edges
+
+
+def into(edges: Iterable[tuple[str, str, int]], svc: InferenceService) -> set[tuple[str, str, int]]:
+    prefix = f"{svc.namespace}/{svc.name}-"
+    return {e for e in edges if e[1].startswith(prefix)}
+
+
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+@pytest.mark.parametrize("fenced", [False, True], ids=["router-open", "router-fenced"])
+def test_each_pod_accepts_exactly_its_service_peers_on_exactly_its_ports(
+        backend: str, fenced: bool) -> None:
+    fence: dict[str, Any] = {"metricsFrom": PROMETHEUS}
+    if fenced:
+        fence["routerFrom"] = INGRESS_CONTROLLER
+    llm = service("llm", "serving", kvTransfer={"backend": backend}, networkPolicy=fence)
+    chat = service("chat", "serving", kvTransfer={"backend": backend})  # a neighbour
+    twin = service("llm", "other", kvTransfer={"backend": backend})  # same name, elsewhere
+    extras = [Pod("serving/stranger", "serving", ()),
+              Pod("serving/fake-ingress", "serving", (("app", "ingress-nginx"),)),
+              Pod("ingress-nginx/controller", "ingress-nginx", (("app", "ingress-nginx"),)),
+              Pod("monitoring/prometheus", "monitoring", (("app", "prometheus"),))]
+    pods = [*pods_of(llm), *pods_of(chat), *pods_of(twin), *extras]
+    policies = [c for svc in (llm, chat, twin) for c in build_children(svc)
+                if c["kind"] == "NetworkPolicy"]
+    assert len(policies) == 9
+    edges = allowed(policies, pods)
+    assert into(edges, llm) == promised(
+        llm, pods, router_from=["ingress-nginx/controller"] if fenced else None,
+        metrics_from=["monitoring/prometheus"])
+    for neighbour in (chat, twin):  # no metricsFrom, router open: the defaults
+        assert into(edges, neighbour) == promised(neighbour, pods, router_from=None,
+                                                  metrics_from=[])
+    # each policy selects its own pool's pods and nobody else's
+    for policy in policies:
+        selected = {p.name for p in pods if p.namespace == policy["metadata"]["namespace"]
+                    and matches(policy["spec"]["podSelector"], dict(p.labels))}
+        assert selected == {f"{policy['metadata']['namespace']}/{policy['metadata']['name']}"}
+
+
+def test_a_disabled_fence_renders_no_policy_and_lets_everything_in() -> None:
+    svc = service("llm", "serving", networkPolicy={"enabled": False})
+    assert not [c for c in build_children(svc) if c["kind"] == "NetworkPolicy"]
+    pods = [*pods_of(svc), Pod("serving/stranger", "serving", ())]
+    assert allowed([], pods) == set()  # no policy isolates anything: the evaluator agrees
+
+
+def test_the_evaluator_isolates_and_unions() -> None:
+    """The evaluator itself: a deny-all policy isolates; a second policy adds to the first."""
+    pods = [Pod("serving/a", "serving", (("x", "1"),)), Pod("serving/b", "serving", ())]
+    deny = {"metadata": {"namespace": "serving"},
+            "spec": {"podSelector": {"matchLabels": {"x": "1"}}, "policyTypes": ["Ingress"],
+                     "ingress": []}}
+    assert allowed([deny], pods) == set()
+    allow = {"metadata": {"namespace": "serving"},
+             "spec": {"podSelector": {}, "policyTypes": ["Ingress"],
+                      "ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": 22}]}]}}
+    assert allowed([deny, allow], pods) == {(s, d, 22) for s in ("serving/a", "serving/b")
+                                            for d in ("serving/a", "serving/b")}
