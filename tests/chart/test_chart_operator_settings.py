@@ -38,6 +38,7 @@ NAMESPACED_RULES = {
     ("apps", "deployments"): CHILD_VERBS,
     ("", "services"): CHILD_VERBS,
     ("networking.k8s.io", "ingresses"): OPTIONAL_CHILD_VERBS,
+    ("networking.k8s.io", "networkpolicies"): OPTIONAL_CHILD_VERBS,  # spec.networkPolicy
     ("autoscaling", "horizontalpodautoscalers"): OPTIONAL_CHILD_VERBS,
     ("policy", "poddisruptionbudgets"): OPTIONAL_CHILD_VERBS,
     # the router's own access (spec.router.discovery: kubernetes)
@@ -79,7 +80,7 @@ def test_clusterrole_is_least_privilege(render: Render):
 def test_namespaced_mode_renders_a_role_and_binding_only(render: Render, values, watched):
     objs = render(values)
     assert sorted(o["kind"] for o in objs) == [
-        "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+        "Deployment", "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount"]
     role, binding = only(objs, "Role"), only(objs, "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == watched
     assert granted(role) == NAMESPACED_RULES

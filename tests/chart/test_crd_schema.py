@@ -22,7 +22,10 @@ PRESERVE_UNKNOWN = {
     f"spec.{role}.{field}"
     for role in ("prefill", "decode")
     for field in ("resources", "env[]", "tolerations[]", "template")
-} | {"spec.router.resources", "spec.router.env[]", "status.kopf"}
+} | {"spec.router.resources", "spec.router.env[]", "status.kopf"} | {
+    f"spec.networkPolicy.{field}[].{selector}"  # metav1.LabelSelector, checked by the operator
+    for field in ("routerFrom", "metricsFrom") for selector in ("podSelector", "namespaceSelector")
+}
 
 
 def walk(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -101,6 +104,7 @@ def test_defaults_follow_the_contract(crd_schema):
         "decode": POOL_DEFAULTS,
         "router": {"replicas": 1, "policy": "round_robin", "discovery": "kubernetes"},
         "kvTransfer": {"backend": "nixl"},
+        "networkPolicy": {"enabled": True},
     }
     obj = apply_defaults(
         isvc(

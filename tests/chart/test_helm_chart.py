@@ -62,6 +62,7 @@ def test_default_render_has_operator_objects_only(render: Render):
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "NetworkPolicy",
         "ServiceAccount",
     ]
     for obj in objs:
@@ -190,7 +191,22 @@ def test_existing_service_account(render: Render):
 
 def test_rbac_can_be_left_to_the_cluster_admin(render: Render):
     kinds = {o["kind"] for o in render({"rbac": {"create": False}})}
-    assert kinds == {"ServiceAccount", "Deployment"}
+    assert kinds == {"ServiceAccount", "Deployment", "NetworkPolicy"}
+
+
+def test_the_operator_pod_takes_no_inbound_connection(render: Render):
+    """Its NetworkPolicy selects exactly the operator's pods and lets nothing in (kopf's
+    /healthz is probed by the kubelet, which policies never block); values can turn it off."""
+    objs = render()
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert selector == next(o for o in objs if o["kind"] == "Deployment")["spec"]["selector"][
+        "matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and policy["spec"]["ingress"] == []
+    assert policy["metadata"]["namespace"] == "baton-system"
+    assert "NetworkPolicy" not in {o["kind"] for o in render({"networkPolicy": {"enabled": False}})}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -46,13 +46,14 @@ def test_operator_manifest(render):
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "NetworkPolicy",
     ]
     assert docs[0]["metadata"]["name"] == "baton-system"
     for doc in docs:
         validate_builtin(doc)
         labels = doc["metadata"]["labels"]
         assert "helm.sh/chart" not in labels and "app.kubernetes.io/managed-by" not in labels
-        if doc["kind"] in ("ServiceAccount", "Deployment"):
+        if doc["kind"] in ("ServiceAccount", "Deployment", "NetworkPolicy"):
             assert doc["metadata"]["namespace"] == "baton-system"
     # apart from the Helm-only labels, the objects are exactly what the chart renders
     helm_only = ("helm.sh/chart", "app.kubernetes.io/managed-by")
