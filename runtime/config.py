@@ -107,6 +107,9 @@ class EngineConfig:
         "GPU: decode batches up to this size replay captured CUDA graphs"))
     disable_cuda_graph: bool = field(default=False, metadata=_help("GPU: run every decode step eagerly"))
     context_length: int | None = None  # None: the model's max_position_embeddings
+    disable_prefix_cache: bool | None = field(default=None, metadata=_help(
+        "free every KV page when its request ends instead of keeping it for reuse; default: "
+        "the cache is on, except on a decode server (its KV arrives by transfer)"))
     num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
 
 

@@ -53,6 +53,16 @@ class DrainRequest:
 
 
 @dataclass
+class CacheQuery:
+    """What the prefix cache holds (`CacheReport` answers, naming `id`); with `flush`, free
+    every page it holds unlocked first (POST /flush_cache)."""
+
+    id: int
+    flush: bool = False
+    hashes: bool = False  # list the block hash of every cached page
+
+
+@dataclass
 class ShutdownRequest:
     """Abort whatever is still in flight, free its KV, and exit the scheduler process."""
 
@@ -110,6 +120,24 @@ class DisaggStats:
 
 
 @dataclass
+class PrefixCacheStats:
+    cached_tokens: int = 0  # held by the cache now, read by a request or not
+    hit_tokens: int = 0  # since start: prompt tokens found cached at admission
+    query_tokens: int = 0  # since start: prompt tokens looked up at admission
+    evicted_tokens: int = 0  # since start
+
+
+@dataclass
+class CacheReport:
+    id: int
+    enabled: bool
+    page_size: int
+    stats: PrefixCacheStats
+    freed_tokens: int = 0  # by the flush asked for
+    hashes: list[int] | None = None
+
+
+@dataclass
 class SchedulerStats:
     num_waiting: int = 0
     num_running: int = 0
@@ -118,6 +146,7 @@ class SchedulerStats:
     page_size: int = 1
     kv_all_free: bool = True
     disagg: DisaggStats | None = None
+    prefix_cache: PrefixCacheStats | None = None  # None: the cache is off
 
 
 @dataclass
@@ -140,6 +169,7 @@ class ReqOutput:
     output_logprobs: list[float] | None = None
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     customized_info: dict[str, list[Any]] | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (of the prefill server in PD)
 
     @property
     def finished(self) -> bool:
@@ -163,6 +193,7 @@ class ReqOutput:
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
             finished_reason=last.finished_reason,
+            cached_tokens=last.cached_tokens,
         )
         if any(o.output_logprobs is not None for o in outputs):
             merged.output_logprobs = [x for o in outputs for x in o.output_logprobs or []]
@@ -185,6 +216,8 @@ class BatchOutput:
 Message = (
     GenerateRequest
     | AbortRequest
+    | CacheQuery
+    | CacheReport
     | DrainRequest
     | ShutdownRequest
     | SchedulerReady
@@ -198,6 +231,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     FinishReason,  # travels inside ReqOutput
     GenerateRequest,
     AbortRequest,
+    CacheQuery,
+    CacheReport,
+    PrefixCacheStats,
     DrainRequest,
     ShutdownRequest,
     SchedulerReady,

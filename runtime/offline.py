@@ -119,7 +119,7 @@ class Engine:
             len(req.origin_input_ids), len(req.output_ids), req.finished_reason,
             req.output_logprobs if req.return_logprob else None,
             req.output_top_logprobs if req.return_logprob and req.top_logprobs_num else None,
-            req.customized_info)
+            req.customized_info, req.cached_tokens)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

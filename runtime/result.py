@@ -22,13 +22,14 @@ def generate_result(
     rid: str, text: str, output_ids: list[int], prompt_tokens: int, completion_tokens: int,
     reason: FinishReason | None, logprobs: list[float] | None = None,
     top_logprobs: list[list[tuple[int, float]]] | None = None,
-    customized_info: dict[str, list[Any]] | None = None,
+    customized_info: dict[str, list[Any]] | None = None, cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The result (for a stream chunk: only what is new) with its meta_info."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
         "finish_reason": reason.to_dict() if reason is not None else None,
     }
     if customized_info:

@@ -192,6 +192,7 @@ class DecodeRole(Generic[R]):
             return
         top = [(int(t), float(lp)) for t, lp in aux.top_logprobs] if aux.top_logprobs else None
         r.req.append_token(aux.token, aux.logprob, top, aux.customized_info)
+        r.req.cached_tokens = aux.cached_tokens
         r.room.advance(RoomState.SUCCESS)
         self.stats.transfers += 1
         self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes

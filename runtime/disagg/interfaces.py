@@ -23,6 +23,7 @@ class PDRequest(KVHolder, Protocol):
     output_logprobs: list[float]
     output_top_logprobs: list[list[tuple[int, float]]]
     customized_info: dict[str, list[Any]]
+    cached_tokens: int  # prompt tokens found in the prefill's prefix cache
 
     @property
     def finished(self) -> bool: ...

@@ -239,6 +239,7 @@ class PrefillRole(Generic[R]):
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
             top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
             customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
+            cached_tokens=req.cached_tokens,
         )
         src = req.kv_pages[: len(target.dst_pages)]
         r.sending = self.sender.send(peer, src, target.dst_pages, aux, lambda: self._claim(r))

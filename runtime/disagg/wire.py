@@ -139,10 +139,12 @@ class AuxRecord:
     logprob: float | None = None
     top_logprobs: list[list[float]] | None = None  # [[token id, logprob], ...]
     customized_info: dict[str, Any] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache (usage)
 
     def __post_init__(self) -> None:
         check_types(self)
         _room("AuxRecord.room", self.room)
+        in_range("AuxRecord.cached_tokens", self.cached_tokens, 0, self.prompt_len)
         short_text("AuxRecord.rid", self.rid, 2 * MAX_ID)
         in_range("AuxRecord.prompt_len", self.prompt_len, 0, (1 << 31) - 1)
         in_range("AuxRecord.token", self.token, 0, (1 << 31) - 1)

@@ -25,6 +25,7 @@ from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool, page_nbytes
+from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
@@ -52,7 +53,9 @@ def _eos_token_ids(path: Path, mc: ModelConfig) -> tuple[int, ...]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_running_requests: int) -> None:
+    def __init__(self, config: EngineConfig, max_running_requests: int,
+                 prefix_cache: bool | None = None) -> None:
+        """`prefix_cache` None: on unless `config.disable_prefix_cache`."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -67,7 +70,9 @@ class ModelRunner:
             self.model = LlamaModel(mc, self.model_path, self.dtype, str(self.device), onednn)
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
-        self.pool, self.kv = self._kv_cache(max_running_requests)
+        if prefix_cache is None:
+            prefix_cache = not config.disable_prefix_cache
+        self.pool, self.kv = self._kv_cache(max_running_requests, prefix_cache)
         self.attn = create_attention_backend(
             config.attention_backend, self.pool, self.kv.req_to_token, mc.head_dim**-0.5
         )
@@ -88,7 +93,8 @@ class ModelRunner:
             "oneDNN" if onednn else "torch", type(self.attn).__name__,
         )
 
-    def _kv_cache(self, max_running_requests: int) -> tuple[KVPool, KVCacheManager]:
+    def _kv_cache(self, max_running_requests: int,
+                  prefix_cache: bool) -> tuple[KVPool, KVCacheManager]:
         config, mc = self.config, self.model_config
         shape = (mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim)
         num_pages, sized_by = kv_pages(
@@ -103,7 +109,8 @@ class ModelRunner:
             raise out_of_memory(f"a KV pool of {num_pages * config.page_size} tokens", e) from None
         log.info("KV pool: %d tokens (%.0f MiB) from %s", num_pages * config.page_size,
                  pool.num_pages * pool.page_bytes / 2**20, sized_by)
-        return pool, KVCacheManager(PageAllocator(num_pages, config.page_size), table)
+        cache = RadixCache(config.page_size) if prefix_cache else None
+        return pool, KVCacheManager(PageAllocator(num_pages, config.page_size), table, cache)
 
     def decode_graphs(
         self, max_bs: int, capture: Callable[[Callable[[], None]], Graph] | None = None

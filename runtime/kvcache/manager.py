@@ -3,15 +3,21 @@
 The scheduler's only entry into KV bookkeeping. It writes the req->token table so the attention
 backend can find every position's slot (on a GPU the next forward carries the writes: see
 ReqToTokenPool); it never touches the KV buffers themselves. Everything here is host work.
+
+With a prefix cache (runtime/kvcache/radix.py) a request starts from the longest cached prefix
+of its tokens (`adopt_prefix`), and what it computed goes into the cache when it lets go
+(`release`) instead of back to the allocator. Pages the cache holds unlocked count as available:
+they are evicted, least recently used first, when the allocator runs short.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from runtime.kvcache.allocator import PageAllocator
+from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 
@@ -21,13 +27,79 @@ class KVHolder(Protocol):
     req_pool_idx: int | None
     kv_pages: list[int]
     kv_len: int
+    computed_len: int  # positions whose KV a finished forward wrote
+    cache_node: Any  # the prefix-cache node it locks (None: none)
+
+    @property
+    def fill_ids(self) -> list[int]: ...
 
 
 class KVCacheManager:
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool) -> None:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
+                 cache: RadixCache | None = None) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.page_size = allocator.page_size
+        self.cache = cache
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus those the cache would give up."""
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        return self.allocator.available_pages + evictable
+
+    def used_pages(self) -> int:
+        """Pages requests hold (cached pages nobody reads are not counted)."""
+        return self.allocator.num_pages - self.available_pages
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.available_pages
+        if short > 0 and self.cache is not None:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.alloc(n)
+
+    def adopt_prefix(self, req: KVHolder) -> int:
+        """A request about to be prefilled from scratch starts from the longest cached prefix
+        of its tokens (full pages, leaving at least its last token to compute: that forward
+        samples its next one). Locks it; returns the number of tokens reused."""
+        if self.cache is None or req.kv_pages:
+            return 0
+        tokens = req.fill_ids
+        usable = (len(tokens) - 1) // self.page_size * self.page_size
+        pages, node = self.cache.match(tokens[:usable])
+        stats = self.cache.stats
+        stats.query_tokens += len(tokens)
+        stats.hit_tokens += len(pages) * self.page_size
+        if not pages:
+            return 0
+        self.cache.lock(node)
+        req.cache_node = node
+        if req.req_pool_idx is None:
+            req.req_pool_idx = self.req_to_token.alloc()
+        n = len(pages) * self.page_size
+        pos = torch.arange(n, dtype=torch.int64)
+        slots = torch.tensor(pages, dtype=torch.int64).repeat_interleave(self.page_size) * \
+            self.page_size + pos % self.page_size
+        self.req_to_token.write(torch.full_like(pos, req.req_pool_idx), pos, slots)
+        req.kv_pages = list(pages)
+        req.kv_len = req.computed_len = n
+        return n
+
+    def cache_progress(self, req: KVHolder) -> None:
+        """A request still running (a long chunked prefill) offers its computed full pages to
+        the cache now, so others can reuse them before it ends. It keeps reading them, so this
+        stops before any page the cache already holds elsewhere (that one goes at `release`)."""
+        if self.cache is None:
+            return
+        full = req.computed_len // self.page_size
+        node, _ = self.cache.insert(req.fill_ids[:full * self.page_size], req.kv_pages[:full],
+                                    stop_at_duplicate=True)
+        if node is req.cache_node or node is self.cache.root:
+            return
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
 
     def pages_needed(self, req: KVHolder, new_len: int) -> int:
         return max(0, self.allocator.pages_for(new_len) - len(req.kv_pages))
@@ -38,7 +110,7 @@ class KVCacheManager:
             req.req_pool_idx = self.req_to_token.alloc()
         need = self.pages_needed(req, new_len)
         if need:
-            req.kv_pages.extend(self.allocator.alloc(need))
+            req.kv_pages.extend(self._alloc(need))
         start = req.kv_len
         pos = torch.arange(start, new_len, dtype=torch.int64)
         pages = torch.tensor(req.kv_pages, dtype=torch.int64)
@@ -54,7 +126,7 @@ class KVCacheManager:
         for r in reqs:
             pos = r.kv_len
             if pos // ps >= len(r.kv_pages):
-                r.kv_pages.extend(self.allocator.alloc(1))
+                r.kv_pages.extend(self._alloc(1))
             slots.append(r.kv_pages[pos // ps] * ps + pos % ps)
             assert r.req_pool_idx is not None
             rows.append(r.req_pool_idx)
@@ -65,14 +137,34 @@ class KVCacheManager:
         return out
 
     def release(self, req: KVHolder) -> None:
-        """Free every page and the table row `req` holds. Idempotent."""
-        if req.kv_pages:
-            self.allocator.free(req.kv_pages)
-            req.kv_pages = []
+        """Give back every page and the table row `req` holds. Idempotent. With a cache, the
+        full pages of what its forwards computed go into the cache (those it already held
+        elsewhere are freed) and the lock is dropped; the rest is freed."""
+        pages, req.kv_pages = req.kv_pages, []
+        if self.cache is not None and pages:
+            full = min(req.computed_len // self.page_size, len(pages))
+            _, dups = self.cache.insert(req.fill_ids[:full * self.page_size], pages[:full])
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+            pages = dups + pages[full:]
+        req.cache_node = None
+        if pages:
+            self.allocator.free(pages)
         if req.req_pool_idx is not None:
             self.req_to_token.free(req.req_pool_idx)
             req.req_pool_idx = None
-        req.kv_len = 0
+        req.kv_len = req.computed_len = 0
+
+    def flush_cache(self) -> int:
+        """Free every page the cache holds unlocked; returns how many."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.flush()
+        self.allocator.free(freed)
+        return len(freed)
 
     def is_all_free(self) -> bool:
-        return self.allocator.is_all_free() and self.req_to_token.is_all_free()
+        """No request holds a page or a table row: every page is free or cached unlocked."""
+        locked = self.cache.locked_pages() if self.cache is not None else 0
+        return (self.available_pages == self.allocator.num_pages and locked == 0
+                and self.req_to_token.is_all_free())

@@ -68,9 +68,8 @@ class ScheduleBatch:
         tokens: list[int] = []
         positions, slots, resets = [], [], []
         for req, n in zip(self.reqs, self.extend_lens, strict=True):
-            start = req.kv_len
-            if start == 0:
-                req.is_retracted = False
+            start = req.kv_len  # > 0 for a later chunk, or a prefix found in the cache
+            req.is_retracted = False  # re-admitted: the forwards it missed were all processed
             tokens.extend(req.fill_ids[start : start + n])
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
             slots.append(kv.grow(req, start + n))

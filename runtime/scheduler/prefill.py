@@ -40,7 +40,8 @@ class PrefillAdder:
         self.budget = token_budget
         self.max_new_reqs = max_new_reqs
         self.ratio = ratio
-        self.free_pages = kv.allocator.available_pages - kv.allocator.pages_for(reserved_tokens)
+        self.reserved_pages = kv.allocator.pages_for(reserved_tokens)
+        self.claimed_pages = 0  # promised to the requests added so far (allocated at prepare)
         self.nothing_running = nothing_running
         self.batch = ScheduleBatch(mode="extend")
         self.chunked: Req | None = None  # the request left partially prefilled, if any
@@ -49,18 +50,37 @@ class PrefillAdder:
         """Try to add (a chunk of) req; False means stop adding."""
         if len(self.batch) >= self.max_new_reqs or self.budget <= 0:
             return False
+        fresh = not req.kv_pages
+        if fresh:  # from scratch (new, or retracted): start from its longest cached prefix
+            reused = self.kv.adopt_prefix(req)
+            if not req.is_retracted:
+                req.cached_tokens = reused
+        if not self._fits(req):
+            if fresh:
+                self.kv.release(req)  # waits unlocked: nothing it matched is pinned meanwhile
+            return False
+        return self._take(req)
+
+    def _fits(self, req: Req) -> bool:
         remaining = len(req.fill_ids) - req.kv_len
         n = min(remaining, self.budget)
         pages = self.kv.pages_needed(req, req.kv_len + n)
-        is_last = n == remaining
         reserve = 0
-        if is_last:
+        if n == remaining:
             reserve = self.kv.allocator.pages_for(decode_reserve_tokens([req], self.ratio))
+        # live: locking a cached prefix takes its pages off what eviction could free
+        free = self.kv.available_pages - self.reserved_pages - self.claimed_pages
         alone = self.nothing_running and self.batch.is_empty()
         # Alone, a request may ignore the decode estimate: nothing else could make room.
-        if pages > self.free_pages or (pages + reserve > self.free_pages and not alone):
+        if pages > free or (pages + reserve > free and not alone):
             return False
-        self.free_pages -= pages + reserve
+        self.claimed_pages += pages + reserve
+        return True
+
+    def _take(self, req: Req) -> bool:
+        remaining = len(req.fill_ids) - req.kv_len
+        n = min(remaining, self.budget)
+        is_last = n == remaining
         self.budget -= n
         self.batch.reqs.append(req)
         self.batch.extend_lens.append(n)

@@ -30,10 +30,13 @@ from runtime.lifecycle import die_with_parent
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    CacheQuery,
+    CacheReport,
     DrainRequest,
     FinishReason,
     GenerateRequest,
     Message,
+    PrefixCacheStats,
     ReqOutput,
     RequestError,
     SchedulerReady,
@@ -83,7 +86,11 @@ class SchedulerLoop:
 
         self.recv, self.outbox = recv, outbox
         sched_cfg = args.scheduler
-        self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests)
+        # a decode server's prompt KV arrives by transfer: nothing to reuse unless asked for
+        cache = args.engine.disable_prefix_cache
+        self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests,
+                                  prefix_cache=not cache if cache is not None
+                                  else args.role != "decode")
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(
@@ -184,6 +191,8 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             if self.role.abort(msg.rid, msg.message):
                 self.need_step = True
+        elif isinstance(msg, CacheQuery):
+            self._send(self._cache_report(msg))
         elif isinstance(msg, DrainRequest):
             self.scheduler.drain()
         elif isinstance(msg, ShutdownRequest):
@@ -258,12 +267,28 @@ class SchedulerLoop:
         return SchedulerStats(
             num_waiting=len(self.scheduler.waiting) + self.role.queued(),
             num_running=self.scheduler.num_running(),
-            kv_used_pages=alloc.num_pages - alloc.available_pages,
+            kv_used_pages=self.runner.kv.used_pages(),
             kv_total_pages=alloc.num_pages,
             page_size=alloc.page_size,
             kv_all_free=self.runner.kv.is_all_free(),
             disagg=self.role.stats.take() if self.role.stats is not None else None,
+            prefix_cache=self._cache_stats(),
         )
+
+    def _cache_stats(self) -> PrefixCacheStats | None:
+        cache = self.runner.kv.cache
+        if cache is None:
+            return None
+        s = cache.stats
+        return PrefixCacheStats(cache.cached_pages * cache.page_size, s.hit_tokens,
+                                s.query_tokens, s.evicted_tokens)
+
+    def _cache_report(self, query: CacheQuery) -> CacheReport:
+        kv = self.runner.kv
+        freed = kv.flush_cache() * kv.page_size if query.flush else 0
+        hashes = kv.cache.hashes() if query.hashes and kv.cache is not None else None
+        return CacheReport(query.id, kv.cache is not None, kv.page_size,
+                           self._cache_stats() or PrefixCacheStats(), freed, hashes)
 
     def _send(self, msg: Message) -> None:
         self.outbox.send(msg)

@@ -36,3 +36,4 @@ class Launched:
     is_last_chunk: list[bool]
     result: Future[ForwardOutput]
     future_indices: torch.Tensor | None = None  # overlap: the FutureMap slots it fills
+    kv_lens: list[int] | None = None  # each request's kv_len once this forward has written

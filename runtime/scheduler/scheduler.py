@@ -99,14 +99,14 @@ class Scheduler:
         """Decode role: is there room for `req`'s prompt KV (arriving by transfer) and a request
         slot, keeping the decode reserve of the running requests, of `incoming` (prompt pages
         taken already, KV on its way) and of `req`? Alone, it only needs to fit."""
-        alloc = self.kv.allocator
+        alloc, available = self.kv.allocator, self.kv.available_pages
         if self.kv.req_to_token.available == 0:
             return False
         prompt = alloc.pages_for(len(req.origin_input_ids))
         if not self.has_work() and not incoming:
-            return prompt <= alloc.available_pages
+            return prompt <= available
         reserve = decode_reserve_tokens([*self.running.reqs, *incoming, req], self.new_token_ratio)
-        return prompt + alloc.pages_for(reserve) <= alloc.available_pages
+        return prompt + alloc.pages_for(reserve) <= available
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish request `rid` with reason abort and free its KV. False if unknown."""
@@ -218,7 +218,7 @@ class Scheduler:
             # the next step does not run them, process() does: FutureMap.settle).
             batch.input_ids = -future_indices
         return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result,
-                        future_indices)
+                        future_indices, [r.kv_len for r in batch.reqs])
 
     def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
         """Runs on the forward thread, strictly after the previous step's forward."""
@@ -246,7 +246,10 @@ class Scheduler:
             # Dropped: finished or aborted meanwhile, evicted, or a prompt chunk that samples nothing.
             if req.finished or req.is_retracted:
                 continue
+            assert done.kv_lens is not None
+            req.computed_len = max(req.computed_len, done.kv_lens[i])  # its KV is written now
             if done.mode == "extend" and not done.is_last_chunk[i]:
+                self.kv.cache_progress(req)  # a long prompt's pages are reusable already
                 continue
             k = req.top_logprobs_num
             req.append_token(
@@ -328,7 +331,7 @@ class Scheduler:
         while True:
             reqs = self.running.reqs
             need = sum(1 for r in reqs if r.kv_len // self.kv.page_size >= len(r.kv_pages))
-            if need <= self.kv.allocator.available_pages:
+            if need <= self.kv.available_pages:  # cached pages nobody reads go first
                 return
             if self.chunked_req is not None:
                 victim, self.chunked_req = self.chunked_req, None

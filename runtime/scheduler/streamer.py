@@ -63,6 +63,7 @@ class OutputStreamer:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=hi,
             finished_reason=req.finished_reason,
+            cached_tokens=req.cached_tokens,
         )
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[lo:hi]

@@ -32,6 +32,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     customized_info: dict[str, list[Any]] = field(default_factory=dict)
@@ -40,6 +41,7 @@ class Delta:
         self.text += other.text
         self.output_ids += other.output_ids
         self.completion_tokens = other.completion_tokens
+        self.cached_tokens = other.cached_tokens
         self.finish_reason = other.finish_reason
         if other.logprobs is not None:
             self.logprobs = (self.logprobs or []) + other.logprobs
@@ -94,6 +96,7 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=out.completion_tokens,
             finish_reason=reason,
+            cached_tokens=out.cached_tokens,
             logprobs=out.output_logprobs,
             top_logprobs=out.output_top_logprobs,
             customized_info=dict(out.customized_info or {}),

@@ -11,12 +11,34 @@ from prometheus_client import (
     generate_latest,
 )
 
-from runtime.messages import DisaggStats, SchedulerStats
+from runtime.messages import DisaggStats, PrefixCacheStats, SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
     60.0,
 )
+
+
+class PrefixCacheMetrics:
+    """The prefix cache (PrefixCacheStats carries totals since start; counters take the rise)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.hit = Counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix "
+                           "cache at admission", registry=r)
+        self.query = Counter("baton_prefix_cache_query_tokens", "Prompt tokens looked up in the "
+                             "prefix cache at admission", registry=r)
+        self.evicted = Counter("baton_prefix_cache_evicted_tokens", "Tokens evicted from the "
+                               "prefix cache", registry=r)
+        self.cached = Gauge("baton_prefix_cache_tokens", "Tokens the prefix cache holds",
+                            registry=r)
+        self.last = PrefixCacheStats()
+
+    def update(self, stats: PrefixCacheStats) -> None:
+        self.hit.inc(max(0, stats.hit_tokens - self.last.hit_tokens))
+        self.query.inc(max(0, stats.query_tokens - self.last.query_tokens))
+        self.evicted.inc(max(0, stats.evicted_tokens - self.last.evicted_tokens))
+        self.cached.set(stats.cached_tokens)
+        self.last = stats
 
 
 class DisaggMetrics:
@@ -92,6 +114,7 @@ class Metrics:
         self.kv_total = Gauge("baton_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
         self.disagg = DisaggMetrics(r)
+        self.cache = PrefixCacheMetrics(r)
 
     def on_tokens(self, n: int, since_last: float, first: bool, ttft: float) -> None:
         """`n` new tokens arrived `since_last` seconds after the previous ones."""
@@ -123,6 +146,8 @@ class Metrics:
         self.kv_usage.set(stats.kv_used_pages / max(stats.kv_total_pages, 1))
         if stats.disagg is not None:
             self.disagg.update(stats.disagg)
+        if stats.prefix_cache is not None:
+            self.cache.update(stats.prefix_cache)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,7 @@ logprobs and customized_info values (coalesced when several scheduler outputs qu
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,7 +31,8 @@ router = APIRouter(route_class=JsonRoute)
 def result(rid: str, d: Delta) -> dict[str, Any]:
     """Engine.generate's result shape (for a stream chunk: only what is new)."""
     return generate_result(rid, d.text, d.output_ids, d.prompt_tokens, d.completion_tokens,
-                           d.finish_reason, d.logprobs, d.top_logprobs, d.customized_info)
+                           d.finish_reason, d.logprobs, d.top_logprobs, d.customized_info,
+                           d.cached_tokens)
 
 
 def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
@@ -73,6 +75,24 @@ async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> Asyn
     except Exception as e:
         yield sse.event(error_body(str(e), "server_error", "stream_failed"))
     yield sse.DONE
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """Free every KV page the prefix cache holds that no running request reads."""
+    tm: TokenizerManager = request.app.state.tm
+    report = await tm.query_cache(flush=True)
+    return {"enabled": report.enabled, "freed_tokens": report.freed_tokens,
+            "cached_tokens": report.stats.cached_tokens}
+
+
+@router.get("/debug/prefix_cache", include_in_schema=False)
+async def prefix_cache(request: Request) -> dict[str, Any]:
+    """The prefix cache: its counters and the block hash of every cached page."""
+    tm: TokenizerManager = request.app.state.tm
+    report = await tm.query_cache(hashes=True)
+    return {"enabled": report.enabled, "page_size": report.page_size,
+            **dataclasses.asdict(report.stats), "block_hashes": sorted(report.hashes or [])}
 
 
 @router.post("/abort")

@@ -90,7 +90,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     deltas = await sse.until_disconnect(request, finish(gens, firsts))
     choices = [fmt.completion_choice(tm.tokenizer, d) for d in deltas]
     out = fmt.envelope("text_completion", rid, body.model, choices)
-    out["usage"] = fmt.usage(prompt_tokens, deltas)
+    out["usage"] = fmt.usage(prompt_tokens, deltas, body.n)
     return JSONResponse(out)
 
 
@@ -132,7 +132,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     deltas = await sse.until_disconnect(request, finish(gens, firsts))
     choices = [fmt.chat_choice(tm.tokenizer, d) for d in deltas]
     out = fmt.envelope("chat.completion", rid, body.model, choices)
-    out["usage"] = fmt.usage(len(ids), deltas)
+    out["usage"] = fmt.usage(len(ids), deltas, body.n)
     return JSONResponse(out)
 
 
@@ -162,6 +162,6 @@ def _stream_tail(
     events = []
     if body.include_usage:
         chunk = fmt.envelope(kind, rid, body.model, [])
-        chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()))
+        chunk["usage"] = fmt.usage(prompt_tokens, list(last.values()), body.n)
         events.append(sse.event(chunk))
     return [*events, sse.DONE]

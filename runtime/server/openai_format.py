@@ -13,12 +13,18 @@ def finish_reason(d: Delta) -> str | None:
     return None if d.finish_reason is None else d.finish_reason.kind
 
 
-def usage(prompt_tokens: int, deltas: list[Delta]) -> dict[str, int]:
+def usage(prompt_tokens: int, deltas: list[Delta], n: int = 1) -> dict[str, Any]:
+    """Usage of a response: each prompt counted once (its `n` choices share it), so its
+    cached tokens are those of the choice that found the most in the prefix cache."""
     completion = sum(d.completion_tokens for d in deltas)
+    by_prompt: dict[int, int] = {}
+    for d in deltas:
+        by_prompt[d.index // n] = max(by_prompt.get(d.index // n, 0), d.cached_tokens)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": min(sum(by_prompt.values()), prompt_tokens)},
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from runtime.config import ServerArgs
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
+    CacheQuery,
+    CacheReport,
     FinishReason,
     GenerateRequest,
     Message,
@@ -43,6 +46,7 @@ log = logging.getLogger("baton.server")
 
 LOADING = "the model is still loading"
 SHUTTING_DOWN = "the server is shutting down"
+CACHE_QUERY_TIMEOUT_S = 10.0  # one scheduler step at most, however long a prefill chunk is
 
 
 class SchedulerUnavailable(RuntimeError):
@@ -86,6 +90,8 @@ class TokenizerManager:
         self._pull = self._actx.socket(zmq.PULL)
         self._reader: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
+        self._queries: dict[int, asyncio.Future[CacheReport]] = {}
+        self._query_ids = itertools.count(1)
 
     # ---- life cycle -------------------------------------------------------------------------
     def bind(self) -> None:
@@ -206,6 +212,22 @@ class TokenizerManager:
         targets = [s.rid for s in self.states.values() if s.rid == rid or s.group in (rid, base)]
         return any([self.abort(r, message) for r in targets])
 
+    async def query_cache(self, *, flush: bool = False, hashes: bool = False,
+                          timeout: float = CACHE_QUERY_TIMEOUT_S) -> CacheReport:
+        """Ask the scheduler about its prefix cache (and flush it first, with `flush`)."""
+        if self.unavailable is not None:
+            raise SchedulerUnavailable(self.unavailable)
+        query = CacheQuery(next(self._query_ids), flush=flush, hashes=hashes)
+        answer: asyncio.Future[CacheReport] = asyncio.get_running_loop().create_future()
+        self._queries[query.id] = answer
+        try:
+            self.send(query)
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            raise SchedulerUnavailable(f"the scheduler did not answer within {timeout:g}s") from None
+        finally:
+            self._queries.pop(query.id, None)
+
     async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:
         """Everything queued for the request since the last call, coalesced into one output."""
         if not state.outputs and state.error is None:
@@ -244,6 +266,10 @@ class TokenizerManager:
                 self.metrics.set_stats(msg.stats)
         elif isinstance(msg, RequestError):
             self._refused(msg)
+        elif isinstance(msg, CacheReport):
+            answer = self._queries.get(msg.id)
+            if answer is not None and not answer.done():
+                answer.set_result(msg)
         elif isinstance(msg, SchedulerReady):
             self.info = msg
             if self.unavailable == LOADING:

@@ -64,3 +64,25 @@ def test_pd_greedy_equals_colocated_and_hf(
     for srv in (pair.prefill, pair.decode):
         stats = httpx.get(f"{srv.url}/debug/stats").json()
         assert stats["kv_all_free"], f"{srv.url} holds KV after all requests finished: {stats}"
+
+
+def test_a_second_round_hits_the_prefill_cache_and_the_client_sees_it(
+        pair: Pair, prompt_ids: list[list[int]]) -> None:
+    """The prefill reuses its cached pages and still sends every page of the prompt; the decode
+    keeps no cache; /generate's meta_info carries the prefill's count through the aux record."""
+    async def round_() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            results = await asyncio.gather(*[pd_call(http, pair, "/generate", body(ids, pair, False))
+                                              for ids in prompt_ids])
+        return [decoded for _, decoded in results]
+
+    first, second = asyncio.run(round_()), asyncio.run(round_())
+    for ids, a, b in zip(prompt_ids, first, second, strict=True):
+        assert a["output_ids"] == b["output_ids"], "a cached prefill changed the output"
+        assert b["meta_info"]["cached_tokens"] == (len(ids) - 1) // 16 * 16
+    prefill = httpx.get(f"{pair.prefill.url}/debug/prefix_cache").json()
+    decode = httpx.get(f"{pair.decode.url}/debug/prefix_cache").json()
+    assert prefill["enabled"] and prefill["cached_tokens"] > 0 and prefill["hit_tokens"] > 0
+    assert not decode["enabled"] and decode["cached_tokens"] == 0
+    for srv in (pair.prefill, pair.decode):
+        assert httpx.get(f"{srv.url}/debug/stats").json()["kv_all_free"]

@@ -12,6 +12,7 @@ import torch
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
+from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 VOCAB = 1000
@@ -37,10 +38,12 @@ def expected_outputs(prompt: list[int], n: int, eos: int | None = None) -> list[
 
 class FakeRunner:
     def __init__(
-        self, num_pages: int = 64, page_size: int = 4, max_reqs: int = 16, context_len: int = 256
+        self, num_pages: int = 64, page_size: int = 4, max_reqs: int = 16, context_len: int = 256,
+        prefix_cache: bool = False,
     ) -> None:
         self.kv = KVCacheManager(
-            PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, context_len)
+            PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, context_len),
+            RadixCache(page_size) if prefix_cache else None,
         )
         self.device = torch.device("cpu")
         self.context_len = context_len
