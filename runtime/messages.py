@@ -82,6 +82,16 @@ class SchedulerReady:
     max_running_requests: int
     kv_transfer: dict[str, Any] | None = None  # prefill/decode: backend and KV layout
     instance_id: str | None = None  # prefill/decode: its KV instance (room tickets name it)
+    page_size: int = 1
+    prefix_cache: bool = False
+
+
+@dataclass
+class KVEvents:
+    """Pages the prefix cache took in (kind 1) or let go (kind 0), as [kind, block hash]
+    pairs in the order they happened (runtime/server/kv_events.py)."""
+
+    events: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -218,6 +228,7 @@ Message = (
     | AbortRequest
     | CacheQuery
     | CacheReport
+    | KVEvents
     | DrainRequest
     | ShutdownRequest
     | SchedulerReady
@@ -233,6 +244,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AbortRequest,
     CacheQuery,
     CacheReport,
+    KVEvents,
     PrefixCacheStats,
     DrainRequest,
     ShutdownRequest,

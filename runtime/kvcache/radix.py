@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from hashlib import blake2b
 
 ROOT_HASH = 0
+STORED, REMOVED = 1, 0  # KV event kinds
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
@@ -71,6 +72,7 @@ class RadixCache:
         self.cached_pages = 0  # nodes in the tree (root excluded)
         self.evictable_pages = 0  # of those, unlocked
         self.stats = CacheStats()
+        self.events: list[list[int]] = []  # [1 stored | 0 removed, block hash], for take_events
         self._clock = itertools.count(1)
 
     # ---- lookups ----------------------------------------------------------------------------
@@ -124,6 +126,7 @@ class RadixCache:
                 node.children[key] = child
                 self.cached_pages += 1
                 self.evictable_pages += 1
+                self.events.append([STORED, child.hash])
             elif child.page != pages[i]:
                 if stop_at_duplicate:
                     break
@@ -149,6 +152,7 @@ class RadixCache:
             assert parent is not None
             del parent.children[leaf.key]
             freed.append(leaf.page)
+            self.events.append([REMOVED, leaf.hash])
             self.cached_pages -= 1
             self.evictable_pages -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -166,6 +170,11 @@ class RadixCache:
             node = stack.pop()
             out.append(node)
             stack.extend(node.children.values())
+        return out
+
+    def take_events(self) -> list[list[int]]:
+        """What was stored and removed since the last call, in order."""
+        out, self.events = self.events, []
         return out
 
     # ---- views ------------------------------------------------------------------------------

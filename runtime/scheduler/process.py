@@ -35,6 +35,7 @@ from runtime.messages import (
     DrainRequest,
     FinishReason,
     GenerateRequest,
+    KVEvents,
     Message,
     PrefixCacheStats,
     ReqOutput,
@@ -129,6 +130,8 @@ class SchedulerLoop:
                 max_running_requests=self.scheduler.config.max_running_requests,
                 kv_transfer=self.role.transfer.describe() if self.role.transfer else None,
                 instance_id=self.role.transfer.agent_name if self.role.transfer else None,
+                page_size=kv.page_size,
+                prefix_cache=kv.cache is not None,
             )
         )
         self._send_stats()
@@ -138,6 +141,7 @@ class SchedulerLoop:
         while not self.stopping:
             self._receive(self._wait_ms())
             self._send_outputs(self._breathe())
+            self._send_events()
             self._send_stats()
         self._drain()
 
@@ -253,6 +257,13 @@ class SchedulerLoop:
             return
         self.last_stats = self.stats()
         self._send(BatchOutput(outputs, self.last_stats))
+
+    def _send_events(self) -> None:
+        """What the prefix cache took in and let go this breath (after its outputs, before
+        the stats that count them)."""
+        cache = self.runner.kv.cache
+        if cache is not None and cache.events:
+            self._send(KVEvents(cache.take_events()))
 
     def _send_stats(self) -> None:
         """Stats when they changed, and at least every ALIVE_EVERY_S: a breath of life."""

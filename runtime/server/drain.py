@@ -47,6 +47,7 @@ async def drain(tm: TokenizerManager, grace_s: float) -> None:
     drain); those it has not ended ABORT_WAIT_S later (one long forward still running) are ended
     here with the same abort finish."""
     tm.unavailable = SHUTTING_DOWN
+    tm.end_streams()  # a follower of /kv_events reconnects elsewhere, or to our successor
     with contextlib.suppress(SchedulerUnavailable):
         tm.send(DrainRequest())
     if await _idle_within(tm, grace_s):

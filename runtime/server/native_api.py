@@ -7,6 +7,7 @@ logprobs and customized_info values (coalesced when several scheduler outputs qu
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from runtime.server.json_route import JsonRoute
 from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter(route_class=JsonRoute)
+KV_EVENTS_KEEPALIVE_S = 15.0
 
 
 def result(rid: str, d: Delta) -> dict[str, Any]:
@@ -93,6 +95,35 @@ async def prefix_cache(request: Request) -> dict[str, Any]:
     report = await tm.query_cache(hashes=True)
     return {"enabled": report.enabled, "page_size": report.page_size,
             **dataclasses.asdict(report.stats), "block_hashes": sorted(report.hashes or [])}
+
+
+@router.get("/kv_events")
+async def kv_events(request: Request) -> Response:
+    """Server-sent events: a snapshot of the block hashes the prefix cache holds, then every
+    block stored or removed after it, numbered (runtime/server/kv_events.py)."""
+    tm: TokenizerManager = request.app.state.tm
+    log = tm.kv_events
+    if log is None or tm.unavailable is not None:
+        why = tm.unavailable or "this server keeps no prefix cache"
+        return JSONResponse(error_body(why, "service_unavailable", "no_kv_events"), 503)
+    snapshot, sub = log.subscribe()
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield sse.event(snapshot)
+            while True:
+                try:
+                    batch = await asyncio.wait_for(sub.queue.get(), KV_EVENTS_KEEPALIVE_S)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"  # a comment: finds a client that left
+                    continue
+                if batch is None:
+                    return
+                yield sse.event(batch)
+        finally:
+            log.unsubscribe(sub)
+
+    return sse.sse_response(events())
 
 
 @router.post("/abort")

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from runtime.messages import (
     CacheReport,
     FinishReason,
     GenerateRequest,
+    KVEvents,
     Message,
     ReqOutput,
     RequestError,
@@ -38,6 +40,7 @@ from runtime.messages import (
     ShutdownRequest,
 )
 from runtime.protocol import Bootstrap
+from runtime.server.kv_events import KVEventLog
 from runtime.server.metrics import Metrics
 from runtime.validation import InvalidRequest, context_overflow
 
@@ -90,6 +93,7 @@ class TokenizerManager:
         self._pull = self._actx.socket(zmq.PULL)
         self._reader: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
+        self.kv_events: KVEventLog | None = None  # once the scheduler is ready, cache on
         self._queries: dict[int, asyncio.Future[CacheReport]] = {}
         self._query_ids = itertools.count(1)
 
@@ -107,7 +111,13 @@ class TokenizerManager:
         for rid in list(self.states):
             self.abort(rid, message)
 
+    def end_streams(self) -> None:
+        """End the long-lived streams (GET /kv_events): the server is going away."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+
     def shutdown_scheduler(self) -> None:
+        self.end_streams()
         self.unavailable = SHUTTING_DOWN
         with contextlib.suppress(SchedulerUnavailable):
             self.send(ShutdownRequest())
@@ -123,6 +133,7 @@ class TokenizerManager:
         self.unavailable = why
         self.ready.clear()
         self.end_all(why)
+        self.end_streams()
 
     def end_all(self, why: str) -> None:
         """End every request in flight here with the abort finish, without the scheduler."""
@@ -266,12 +277,17 @@ class TokenizerManager:
                 self.metrics.set_stats(msg.stats)
         elif isinstance(msg, RequestError):
             self._refused(msg)
+        elif isinstance(msg, KVEvents):
+            if self.kv_events is not None:
+                self.kv_events.apply(msg.events)
         elif isinstance(msg, CacheReport):
             answer = self._queries.get(msg.id)
             if answer is not None and not answer.done():
                 answer.set_result(msg)
         elif isinstance(msg, SchedulerReady):
             self.info = msg
+            if msg.prefix_cache:
+                self.kv_events = KVEventLog(msg.page_size, msg.instance_id or uuid.uuid4().hex)
             if self.unavailable == LOADING:
                 self.unavailable = None
             self.ready.set()
