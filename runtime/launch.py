@@ -32,6 +32,7 @@ from runtime.auth.api_keys import ENV as API_KEY_ENV
 from runtime.auth.key import ENV as KEY_ENV
 from runtime.errors import error_message
 from runtime.lifecycle import die_with_parent
+from runtime.router.config import POLICIES
 
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="where everything listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
     p.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl")
-    p.add_argument("--policy", choices=["round_robin", "least_load", "prefix"], default="round_robin")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                   help="the router's (default: cache_aware, with the model's tokenizer)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="the router requires `Authorization: Bearer KEY` (else also $BATON_API_KEY)")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -117,7 +119,8 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
             else:
                 child.cmd += ["--kv-port", str(free_port(args.host))]
             children.append(child)
-    router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+              "--tokenizer", args.model]
     for c in children:
         flag = "--prefill" if c.name.startswith("prefill") else "--decode"
         value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url

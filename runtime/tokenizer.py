@@ -114,6 +114,14 @@ def load_tokenizer(path: os.PathLike[str] | str) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt of a chat request: the template rendered with the generation prompt, then
+    encoded without adding special tokens (the template wrote them). The one place both the
+    workers and the router's cache-aware policy tokenize chats, so their block hashes agree."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def tail_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """The text of a few output ids, special tokens kept: what stop strings are matched on."""
 

@@ -41,7 +41,7 @@ WORKER_ROLES: tuple[WorkerRole, ...] = ("prefill", "decode")
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
 
 KV_BACKENDS = ("nixl", "tcp")
-ROUTER_POLICIES = ("round_robin", "least_load", "prefix")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 # kubernetes: the router reads Ready pods through the API (its own ServiceAccount and Role);
 # dns: it re-resolves the pools' headless Services (no API access, no readiness from the API).
 ROUTER_DISCOVERY = ("kubernetes", "dns")
@@ -70,7 +70,7 @@ class Pool:
 @dataclass(frozen=True)
 class RouterPool:
     replicas: int = 1
-    policy: str = "round_robin"
+    policy: str = "cache_aware"
     discovery: str = "kubernetes"
     resources: Mapping[str, Any] = field(default_factory=dict)
     args: tuple[str, ...] = ()
@@ -194,7 +194,7 @@ def _router(raw: Any, where: str) -> RouterPool:
     router = mapping(raw, where)
     return RouterPool(
         replicas=integer(router.get("replicas", 1), f"{where}.replicas", minimum=0),
-        policy=choice(router.get("policy", "round_robin"), f"{where}.policy", ROUTER_POLICIES),
+        policy=choice(router.get("policy", "cache_aware"), f"{where}.policy", ROUTER_POLICIES),
         discovery=choice(router.get("discovery", "kubernetes"), f"{where}.discovery",
                          ROUTER_DISCOVERY),
         resources=mapping(router.get("resources"), f"{where}.resources"),

@@ -35,10 +35,12 @@ from runtime.router.discovery import (
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
 from runtime.router.exchange import forward
 from runtime.router.health import HealthChecker
+from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
 from runtime.router.policy import build_policy, least_loaded
 from runtime.router.proxy import Proxy
-from runtime.router.request import ENDPOINTS, parse_abort, parse_request
+from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request, prompt_ids
+from runtime.router.tokenizer import RouterTokenizer
 from runtime.router.workers import Worker, Workers
 from runtime.sse import CLIENT_GONE
 
@@ -52,7 +54,10 @@ class Router:
         self.config, self.discovery = config, discovery
         self.workers = Workers()
         self.metrics = RouterMetrics()
-        self.policy = build_policy(config.policy, config)
+        self.index = KVIndex()  # cache_aware: what each prefill's prefix cache holds
+        self.policy = build_policy(config.policy, config, self.index)
+        self.tokenizer = RouterTokenizer(config.tokenizer)
+        self.followers: dict[str, asyncio.Task[None]] = {}  # prefill URL -> its KV events
         self.api_keys = ApiKeys.load(config.api_key, config.api_key_file)
         self.client = httpx.AsyncClient(
             trust_env=False,  # workers are reached directly, never through an env proxy
@@ -76,6 +81,7 @@ class Router:
         try:
             yield
         finally:
+            tasks += self.followers.values()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -91,19 +97,29 @@ class Router:
     async def _membership_changed(self, joined: list[Worker], left: list[Worker]) -> None:
         for worker in left:
             self.metrics.forget_worker(worker.role, worker.url)
+            follower = self.followers.pop(worker.url, None)
+            if follower is not None:
+                follower.cancel()  # and its view goes with it
+                self.index.drop(worker.url)
+        if self.policy.wants_ids:
+            for worker in joined:
+                if worker.role == "prefill" and worker.url not in self.followers:
+                    self.followers[worker.url] = asyncio.create_task(
+                        follow(self.client, self.index, worker.url))
         await self.health.check(joined)  # newcomers serve as soon as they are ready
 
-    def pick(self, prompt: str | None) -> tuple[Worker, Worker]:
+    def pick(self, req: RoutedRequest) -> tuple[Worker, Worker]:
         prefill, decode = self.workers.pairable()
         if not (prefill and decode):
             raise unavailable(self.workers.unready_reason() or "no ready pair of workers")
-        return self.policy.pick(prefill, decode, prompt)
+        ids = prompt_ids(req.parsed, self.tokenizer.get()) if self.policy.wants_ids else None
+        return self.policy.pick(prefill, decode, ids)
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
             req = parse_request(endpoint, await request.body(),
                                 request.headers.get("content-type"))
-            prefill, decode = self.pick(req.prompt)
+            prefill, decode = self.pick(req)
         except RouterError as e:
             self.metrics.on_request(endpoint, e.status)
             return e.response()
@@ -205,6 +221,11 @@ def _add_routes(app: FastAPI, router: Router) -> None:
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
         return await router.abort(request)
+
+    @app.get("/debug/kv_index", include_in_schema=False)
+    async def kv_index() -> dict[str, Any]:
+        """cache_aware: the block hashes each prefill's KV events say its cache holds."""
+        return {"policy": router.config.policy, "workers": router.index.view()}
 
 
 def _generation_route(router: Router, endpoint: str) -> Any:

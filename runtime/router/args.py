@@ -63,7 +63,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
 def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy,
                    help="how a (prefill, decode) pair is picked: own cursor per role | fewest "
-                   "requests in flight | longest shared prompt prefix, else fewest in flight "
+                   "requests in flight | the prefill with the least to compute: prompt tokens "
+                   "its prefix cache lacks (from its KV events) + --cache-load-tokens per "
+                   "request in flight (prefix: an alias of cache_aware) "
                    f"(default: {DEFAULT.policy})")
     _seconds(p, "--request-timeout-s", DEFAULT.request_timeout_s,
              "longest a worker may stay silent during a request")
@@ -78,12 +80,13 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
     _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
              "on SIGTERM, requests in flight get this long to finish")
-    p.add_argument("--prefix-min-chars", type=_positive_int, default=DEFAULT.prefix_min_chars,
-                   help="prefix policy: shortest shared prompt prefix that pins a prefill "
-                   f"(default: {DEFAULT.prefix_min_chars})")
-    p.add_argument("--prefix-capacity", type=_positive_int, default=DEFAULT.prefix_capacity,
-                   help="prefix policy: prompt-prefix blocks remembered, LRU "
-                   f"(default: {DEFAULT.prefix_capacity})")
+    p.add_argument("--cache-load-tokens", type=_positive_int, default=DEFAULT.cache_load_tokens,
+                   help="cache_aware: a request in flight on a prefill counts as this many "
+                   f"prompt tokens to compute (default: {DEFAULT.cache_load_tokens})")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="cache_aware: the model's folder or builtin:NAME, to tokenize text "
+                   "prompts and chats as the workers do (without it, only input_ids and "
+                   "token-id prompts are matched; the rest go by least_load)")
     p.add_argument("--cluster-key-file", default=None, metavar="PATH",
                    help="the deployment's shared cluster key (else $BATON_CLUSTER_KEY): each "
                    "request's rooms go to its workers with a signed room ticket")
@@ -131,8 +134,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
-        prefix_min_chars=ns.prefix_min_chars,
-        prefix_capacity=ns.prefix_capacity, log_level=ns.log_level,
+        cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,
         cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
         api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
     )

@@ -12,8 +12,8 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 DiscoveryMode = Literal["flags", "kubernetes"]
 DISCOVERY_MODES: tuple[DiscoveryMode, ...] = ("flags", "kubernetes")
-PolicyName = Literal["round_robin", "least_load", "prefix"]
-POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix")
+PolicyName = Literal["round_robin", "least_load", "cache_aware", "prefix"]
+POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "cache_aware", "prefix")
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
@@ -60,8 +60,8 @@ class RouterConfig:
     health_failures: int = 2  # unanswered polls in a row that take a ready worker out
     dns_refresh_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
-    prefix_min_chars: int = 64  # shorter shared prefixes do not pin a prefill
-    prefix_capacity: int = 65536  # prefix blocks remembered (LRU)
+    cache_load_tokens: int = 256  # cache_aware: what one request in flight costs, in tokens
+    tokenizer: str | None = None  # HF folder or builtin:NAME: how cache_aware reads prompts
     cluster_key_file: str | None = None  # else $BATON_CLUSTER_KEY: room tickets are signed
     ticket_ttl_s: float = 60.0  # how long a worker accepts a room ticket after it was signed
     api_key: tuple[str, ...] = ()  # required of clients, and presented to the workers

@@ -1,8 +1,9 @@
-"""Choosing the (prefill, decode) pair for a request: round_robin | least_load | prefix.
+"""Choosing the (prefill, decode) pair for a request: round_robin | least_load | cache_aware.
 
 A policy sees only ready workers that have a partner (`Workers.pairable`, never an empty list)
-and the request's prompt text (None when it has none the router can read); the decode is picked
-among those whose KV layout and backend match the chosen prefill's. It must not block.
+and, when it `wants_ids`, the request's prompt token ids (None when the router cannot tell them);
+the decode is picked among those whose KV layout and backend match the chosen prefill's. It
+must not block.
 """
 
 from __future__ import annotations
@@ -11,25 +12,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from runtime.router.config import PolicyName, Role, RouterConfig
-from runtime.router.prefix import PrefixIndex
+from runtime.router.kv_index import KVIndex
 from runtime.router.workers import Worker
-
-# prefix: a matched prefill this many requests busier than the idlest one loses its affinity
-IMBALANCE_SLACK = 16
 
 
 class Policy(ABC):
+    wants_ids = False  # the router tokenizes the prompt only for a policy that reads it
+
     def pick(
-        self, prefill: Sequence[Worker], decode: Sequence[Worker], prompt: str | None
+        self, prefill: Sequence[Worker], decode: Sequence[Worker], ids: list[int] | None = None
     ) -> tuple[Worker, Worker]:
-        p = self.pick_prefill(prefill, prompt)
+        p = self.pick_prefill(prefill, ids)
         d = self.pick_decode([w for w in decode if w.kv_transfer == p.kv_transfer])
         p.picks += 1
         d.picks += 1
         return p, d
 
     @abstractmethod
-    def pick_prefill(self, workers: Sequence[Worker], prompt: str | None) -> Worker: ...
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker: ...
 
     @abstractmethod
     def pick_decode(self, workers: Sequence[Worker]) -> Worker: ...
@@ -51,7 +51,7 @@ class RoundRobin(Policy):
         self.cursor[role] += 1
         return worker
 
-    def pick_prefill(self, workers: Sequence[Worker], prompt: str | None) -> Worker:
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
         return self._next("prefill", workers)
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:
@@ -59,45 +59,44 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    def pick_prefill(self, workers: Sequence[Worker], prompt: str | None) -> Worker:
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
         return least_loaded(workers)
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:
         return least_loaded(workers)
 
 
-class PrefixAffinity(Policy):
-    """Prefill: the one that served the longest shared prefix of this prompt (its prefix cache
-    likely holds it), if at least `min_chars` long and that worker is not overloaded; else
-    least_load. Decode: least_load."""
+class CacheAware(Policy):
+    """Prefill: the lowest cost, where cost = the prompt tokens a worker would compute (those
+    its prefix cache does not hold, by the KV index its events keep) + `load_tokens` for each
+    request it has in flight from this router; ties go to the one picked least often. Without
+    prompt ids (no tokenizer for a text prompt): least_load. Decode: least_load."""
 
-    def __init__(self, min_chars: int, capacity: int):
-        self.min_chars = min_chars
-        self.index = PrefixIndex(capacity)
+    wants_ids = True
 
-    def pick_prefill(self, workers: Sequence[Worker], prompt: str | None) -> Worker:
-        if not prompt:
+    def __init__(self, index: KVIndex, load_tokens: int) -> None:
+        self.index = index
+        self.load_tokens = load_tokens
+
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
+        if not ids:
             return least_loaded(workers)
-        worker = self._affine(workers, prompt) or least_loaded(workers)
-        self.index.record(prompt, worker.url)
+
+        def cost(w: Worker) -> tuple[int, int]:
+            uncached = len(ids) - self.index.cached_tokens(w.url, ids)
+            return uncached + self.load_tokens * w.in_flight, w.picks
+
+        worker = min(workers, key=cost)
+        self.index.expect(worker.url, ids)
         return worker
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:
         return least_loaded(workers)
 
-    def _affine(self, workers: Sequence[Worker], prompt: str) -> Worker | None:
-        by_url = {w.url: w for w in workers}
-        url, matched = self.index.match(prompt, by_url)
-        if url is None or matched < self.min_chars:
-            return None
-        worker = by_url[url]
-        idlest = min(w.in_flight for w in workers)
-        return worker if worker.in_flight - idlest < IMBALANCE_SLACK else None
 
-
-def build_policy(name: PolicyName, config: RouterConfig) -> Policy:
+def build_policy(name: PolicyName, config: RouterConfig, index: KVIndex) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
-    return PrefixAffinity(config.prefix_min_chars, config.prefix_capacity)
+    return CacheAware(index, config.cache_load_tokens)  # cache_aware, and prefix (its alias)

@@ -27,12 +27,14 @@ from runtime.protocol import (
 )
 from runtime.router.errors import RouterError
 from runtime.router.workers import Worker
+from runtime.tokenizer import chat_prompt_ids
 from runtime.validation import InvalidRequest, describe_errors, parse_json_body
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (GENERATE, COMPLETIONS, CHAT)
 MAX_CHOICES = 1024  # far above what a worker accepts (n <= 16, 16 prompts); bounds the rooms
-MODELS: dict[str, type[GenerateBody | CompletionRequest | ChatCompletionRequest]] = {
+ClientRequest = GenerateBody | CompletionRequest | ChatCompletionRequest
+MODELS: dict[str, type[ClientRequest]] = {
     GENERATE: GenerateBody, COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
 
 
@@ -40,7 +42,7 @@ MODELS: dict[str, type[GenerateBody | CompletionRequest | ChatCompletionRequest]
 class RoutedRequest:
     endpoint: str
     body: dict[str, Any]  # the client's body with `rid` and `bootstrap_room` set
-    prompt: str | None  # the prompt as text, for the prefix policy
+    parsed: ClientRequest  # the body as the worker's request model reads it
     ticket: str | None = None  # signed for the pair it goes to (`signed`)
 
     @property
@@ -73,11 +75,11 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> Routed
     """The client's body, checked as `baton serve` checks it (a RouterError otherwise), with
     the routing fields added."""
     body = _json_object(raw, content_type)
-    validate(endpoint, body)
+    parsed = validate(endpoint, body)
     body["rid"] = _rid(endpoint, body)
     if body.get("bootstrap_room") is None:  # a room the client chose is kept as is
         body["bootstrap_room"] = new_rooms(choice_count(endpoint, body))
-    return RoutedRequest(endpoint, body, prompt_text(endpoint, body))
+    return RoutedRequest(endpoint, body, parsed)
 
 
 def parse_abort(raw: bytes, content_type: str | None) -> str:
@@ -89,10 +91,12 @@ def parse_abort(raw: bytes, content_type: str | None) -> str:
         raise rejected(describe_errors(e.errors())) from None
 
 
-def validate(endpoint: str, body: dict[str, Any]) -> None:
+def validate(endpoint: str, body: dict[str, Any]) -> ClientRequest:
     """Check `body` with the worker's request model for `endpoint`, as the worker does."""
     try:
-        MODELS[endpoint].model_validate(body).check()
+        parsed = MODELS[endpoint].model_validate(body)
+        parsed.check()
+        return parsed
     except ValidationError as e:
         raise rejected(describe_errors(e.errors())) from None
     except InvalidRequest as e:
@@ -160,31 +164,21 @@ def _rid(endpoint: str, body: dict[str, Any]) -> str:
     return rid
 
 
-def prompt_text(endpoint: str, body: dict[str, Any]) -> str | None:
-    """The prompt as one string (token ids as "1,2,3,"; chat messages rendered in order)."""
-    if endpoint == CHAT:
-        return _chat_text(body.get("messages"))
-    prompt = body.get("text") if endpoint == GENERATE else body.get("prompt")
-    if endpoint == GENERATE and prompt is None:
-        prompt = body.get("input_ids")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # several prompts: the first one decides
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return "".join(f"{t}," for t in prompt)
-    return None
-
-
-def _chat_text(messages: Any) -> str | None:
-    if not isinstance(messages, list):
-        return None
-    parts = []
-    for m in messages:
-        if not isinstance(m, dict):
+def prompt_ids(parsed: ClientRequest, tokenizer: Any | None) -> list[int] | None:
+    """The token ids the workers will prefill for this request's (first) prompt, tokenized as
+    they do it; None when that needs a tokenizer the router has not got, or the chat template
+    rejects the messages (the worker will answer that)."""
+    if isinstance(parsed, GenerateBody):
+        prompt: str | list[int] | None = parsed.text if parsed.text is not None else parsed.input_ids
+    elif isinstance(parsed, CompletionRequest):
+        prompt = parsed.prompts()[0]
+    else:
+        if tokenizer is None:
             return None
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        parts.append(f"<{m.get('role')}>{content or ''}\n")
-    return "".join(parts)
+        try:
+            return chat_prompt_ids(tokenizer, [m.flat() for m in parsed.messages])
+        except Exception:  # a template may refuse a conversation shape
+            return None
+    if isinstance(prompt, list):
+        return list(prompt)
+    return None if prompt is None or tokenizer is None else list(tokenizer.encode(prompt))

@@ -42,6 +42,7 @@ from runtime.messages import (
 from runtime.protocol import Bootstrap
 from runtime.server.kv_events import KVEventLog
 from runtime.server.metrics import Metrics
+from runtime.tokenizer import chat_prompt_ids
 from runtime.validation import InvalidRequest, context_overflow
 
 log = logging.getLogger("baton.server")
@@ -165,12 +166,9 @@ class TokenizerManager:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            return chat_prompt_ids(self.tokenizer, messages)
         except Exception as e:  # a template may reject a conversation shape (jinja raise)
             raise InvalidRequest(f"the chat template rejected the messages: {e}", "messages") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def budget(self, prompt_tokens: int, asked: int | None, default: int, field: str,
                prompt_field: str) -> int:

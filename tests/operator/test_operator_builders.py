@@ -69,12 +69,15 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
         "--prefill-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
         "baton.dev/role=prefill "
         "--decode-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
-        "baton.dev/role=decode --policy round_robin")
+        "baton.dev/role=decode --policy cache_aware --tokenizer builtin:smollm2-135m")
     dns = service(router={"discovery": "dns"})
     assert command(build_deployment(dns, "router")) == cli(
         "baton router --host 0.0.0.0 --port 8000 "
         "--prefill-dns llm-prefill.ml.svc.cluster.local:8000:8998 "
-        "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy round_robin")
+        "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy cache_aware "
+        "--tokenizer builtin:smollm2-135m")
+    hf = service(model={"uri": "hf://org/name"})  # not in the router's image: no tokenizer
+    assert "--tokenizer" not in command(build_deployment(hf, "router"))
 
 
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
@@ -170,12 +173,12 @@ def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
     svc = service(model={"uri": "builtin:smollm2-135m", "servedName": "smol"},
                   kvTransfer={"backend": "tcp"},
                   decode={"args": ["--max-running-requests", "8"]},
-                  router={"policy": "prefix", "args": ["--log-level", "debug"]})
+                  router={"policy": "least_load", "args": ["--log-level", "debug"]})
     assert command(build_deployment(svc, "decode")) == cli(
         "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
         "--kv-port 8999 --kv-transfer tcp --served-model-name smol --max-running-requests 8")
-    assert command(build_deployment(svc, "router"))[-4:] == [
-        "--policy", "prefix", "--log-level", "debug"]
+    assert command(build_deployment(svc, "router"))[-6:] == [
+        "--policy", "least_load", "--tokenizer", "builtin:smollm2-135m", "--log-level", "debug"]
 
 
 MODEL_SOURCES = [  # spec.model.uri -> (--model in the pod, derived --served-model-name)

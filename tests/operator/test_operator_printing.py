@@ -77,7 +77,7 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
         "READY": "True", "REASON": "AllPoolsReady", "PHASE": "Ready", "PREFILL": "1",
         "PREFILL-DESIRED": "1", "DECODE": "4", "DECODE-DESIRED": "4", "ROUTER": "1",
         "URL": "http://smollm2.serving.svc.cluster.local:8000",
-        "MODEL": "builtin:smollm2-135m", "KV": "nixl", "POLICY": "round_robin"}
+        "MODEL": "builtin:smollm2-135m", "KV": "nixl", "POLICY": "cache_aware"}
     assert (rows["invalid"]["READY"], rows["invalid"]["REASON"], rows["invalid"]["PHASE"],
             rows["invalid"]["KV"]) == ("False", "InvalidSpec", "Failed", "tcp")
     assert (rows["taken"]["READY"], rows["taken"]["REASON"], rows["taken"]["PHASE"],

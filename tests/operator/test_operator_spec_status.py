@@ -26,7 +26,7 @@ def test_defaults_match_the_crd() -> None:
     assert (svc.image, svc.image_pull_policy, svc.kv_backend) == ("baton:0.1.0", "IfNotPresent",
                                                                   "nixl")
     assert (svc.prefill.replicas, svc.decode.replicas, svc.router.replicas) == (1, 1, 1)
-    assert svc.router.policy == "round_robin"
+    assert svc.router.policy == "cache_aware"
     assert svc.prefill.shared_memory_size == "1Gi"
     assert (svc.decode.max_surge, svc.decode.max_unavailable) == ("25%", 0)
     assert svc.ingress is None and dict(svc.autoscaling) == {}

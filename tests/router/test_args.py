@@ -29,7 +29,8 @@ def operator_router_argv(**spec: Any) -> list[str]:
 
 def test_the_operators_router_args_parse_as_meant() -> None:
     config = parse_router_args(operator_router_argv())
-    assert (config.host, config.port, config.policy) == ("0.0.0.0", 8000, "round_robin")
+    assert (config.host, config.port, config.policy) == ("0.0.0.0", 8000, "cache_aware")
+    assert config.tokenizer == "builtin:smollm2-135m"  # baked into the image
     assert (config.discovery, config.namespace) == ("kubernetes", "ml")
     assert config.prefill_selector == (
         "app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,baton.dev/role=prefill")
@@ -45,7 +46,7 @@ def test_the_operators_dns_fallback_args_parse_as_meant() -> None:
     assert config.prefill == config.decode == ()
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_load", "prefix"])
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "prefix"])
 def test_every_policy_and_extra_args_from_the_spec_parse(policy: str) -> None:
     argv = operator_router_argv(router={"policy": policy, "args": [
         "--log-level", "debug", "--request-timeout-s", "120"]})

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import httpx
+import pytest
 
-from runtime.router.policy import IMBALANCE_SLACK, PrefixAffinity
-from runtime.router.prefix import PrefixIndex, block_hashes
+from runtime.kvcache.radix import block_hashes
+from runtime.router.kv_index import KVIndex
+from runtime.router.policy import CacheAware
 from runtime.router.workers import Worker
 from tests.router.conftest import wait_for
 from tests.router.fake_worker import FakeWorker
-
-SYSTEM = "You are a careful assistant. Answer in one short sentence, and cite no sources. "
 
 
 def served_by(workers: list[FakeWorker], rid: str) -> int:
@@ -68,107 +69,52 @@ def test_least_load_prefers_the_idle_worker(workers: Any, router: Any) -> None:
     assert served_by(ps, "after") == busy_p
 
 
-def test_prefix_affinity_sticks_and_falls_back_to_least_load(workers: Any, router: Any) -> None:
-    ps = [workers("prefill") for _ in range(2)]
-    d = workers("decode")
-    r = router(ps, [d], "--policy", "prefix", "--prefix-min-chars", "64")
-    other = "Translate the following text into French, keeping the formatting exactly as is: "
-    assert send(r, "a1", SYSTEM + "What is 2+2?").status_code == 200
-    assert send(r, "b1", other + "Good morning").status_code == 200
-    first_a, first_b = served_by(ps, "a1"), served_by(ps, "b1")
-    assert first_a != first_b  # no shared prefix: least_load spreads them
-    for i in range(4):  # least_load alone would alternate; affinity keeps each family home
-        assert send(r, f"a{i + 2}", SYSTEM + f"What is {i}+{i}?").status_code == 200
-        assert send(r, f"b{i + 2}", other + f"Good night {i}").status_code == 200
-        assert served_by(ps, f"a{i + 2}") == first_a
-        assert served_by(ps, f"b{i + 2}") == first_b
-    # a shared prefix shorter than --prefix-min-chars does not pin: least_load decides
-    for w in ps:
-        idle(r, w)
-    assert send(r, "c1", SYSTEM[:40] + "x" * 100).status_code == 200
-    idle(r, ps[served_by(ps, "c1")])
-    assert send(r, "c2", SYSTEM[:40] + "y" * 100).status_code == 200
-    assert served_by(ps, "c1") != served_by(ps, "c2")
-    # the affine worker is not ready: the prompt goes elsewhere instead of failing
-    ps[first_a].ready = False
-    wait_for(lambda: r.client.get("/ready").json()["ready_workers"]["prefill"] == 1)
-    assert send(r, "a9", SYSTEM + "What is 9+9?").status_code == 200
-    assert served_by(ps, "a9") == 1 - first_a
+def blocks_of(ids: list[int], url: str, index: KVIndex, page: int = 4) -> None:
+    """Tell `index` that the worker at `url` caches the full pages of `ids`."""
+    hashes = block_hashes(ids, page)
+    index.apply(url, {"type": "snapshot", "seq": 0, "instance": "i", "page_size": page,
+                      "blocks": []})
+    index.apply(url, {"type": "stored", "seq": len(hashes), "blocks": hashes})
 
 
-def test_prefix_affinity_on_chat_messages(workers: Any, router: Any) -> None:
-    ps = [workers("prefill") for _ in range(3)]
-    d = workers("decode")
-    r = router(ps, [d], "--policy", "prefix")
-    chosen = set()
-    for i in range(5):
-        body = {"model": "m", "rid": f"c{i}", "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": [{"type": "text", "text": f"question {i}"}]}]}
-        assert r.client.post("/v1/chat/completions", json=body).status_code == 200
-        rid = d.received[-1].body["rid"]
-        chosen.add(served_by(ps, rid))
-    assert len(chosen) == 1
+def test_the_index_follows_events_and_refuses_a_gap() -> None:
+    index = KVIndex()
+    ids = list(range(100, 118))  # 4 full pages of 4 and 2 tokens
+    blocks_of(ids, "p0", index)
+    assert index.cached_tokens("p0", ids) == 16 and index.cached_tokens("p1", ids) == 0
+    assert index.cached_tokens("p0", [*ids[:8], 7, 7, 7, 7]) == 8  # the third page differs
+    index.apply("p0", {"type": "removed", "seq": 5, "blocks": block_hashes(ids, 4)[2:3]})
+    assert index.cached_tokens("p0", ids) == 8  # a hole ends the match
+    with pytest.raises(ValueError, match="skipped"):
+        index.apply("p0", {"type": "stored", "seq": 9, "blocks": [1]})
+    with pytest.raises(ValueError, match="before its snapshot"):
+        index.apply("p9", {"type": "stored", "seq": 1, "blocks": [1]})
+    index.drop("p0")
+    assert index.cached_tokens("p0", ids) == 0 and index.view() == {}
 
 
-def test_prefix_index_is_bounded_and_prefers_the_longest_match() -> None:
-    index = PrefixIndex(capacity=8, block=4)
-    index.record("aaaabbbbcccc", "p0")
-    index.record("aaaabbbbdddd", "p1")  # the latest owner of the shared "aaaabbbb" wins
-    assert index.match("aaaabbbbcccczz", {"p0", "p1"}) == ("p0", 12)
-    assert index.match("aaaabbbbxxxx", {"p0", "p1"}) == ("p1", 8)
-    assert index.match("aaaabbbbxxxx", {"p0"}) == (None, 0)  # p1 is not a candidate
-    assert index.match("zzzz", {"p0", "p1"}) == (None, 0)
-    for i in range(10):
-        index.record(f"{i:04d}" * 3, "p2")
-    assert len(index) == 8  # least recently used prefixes went first
-    assert index.match("aaaabbbbcccc", {"p0", "p1"}) == (None, 0)
-    assert len(block_hashes("x" * 15, 4)) == 3  # only full blocks
+def test_a_routed_prompt_counts_as_cached_there_until_its_events_come() -> None:
+    index = KVIndex(pending_s=0.3)
+    blocks_of([], "p0", index)
+    ids = list(range(40))
+    index.expect("p0", ids)
+    assert index.cached_tokens("p0", ids) == 40
+    time.sleep(0.4)
+    assert index.cached_tokens("p0", ids) == 0  # nothing came: it was a guess
 
 
-def test_prefix_affinity_yields_to_an_overloaded_worker() -> None:
-    policy = PrefixAffinity(min_chars=16, capacity=1024)
+def test_cache_aware_picks_the_least_to_compute_and_weighs_the_load() -> None:
+    index = KVIndex()
+    policy = CacheAware(index, load_tokens=256)
     ps = [Worker("prefill", "http://p0:1", 8998, ready=True),
           Worker("prefill", "http://p1:1", 8998, ready=True)]
     d = [Worker("decode", "http://d0:1", ready=True)]
-    home, _ = policy.pick(ps, d, SYSTEM + "first")
-    home.in_flight = IMBALANCE_SLACK - 1
-    assert policy.pick(ps, d, SYSTEM + "second")[0] is home  # busy, but still affine
-    home.in_flight = IMBALANCE_SLACK
-    assert policy.pick(ps, d, SYSTEM + "third")[0] is not home  # too busy: least_load
-    assert policy.pick(ps, d, None)[0] in ps  # no readable prompt: least_load
-
-
-def kv(backend: str = "nixl", page_size: int = 16) -> dict[str, Any]:
-    """A worker's `kv_transfer` as its /ready shows it."""
-    layout = {"num_layers": 2, "page_size": page_size, "num_kv_heads": 3, "head_dim": 64,
-              "dtype": "float32"}
-    return {"backend": backend, "layout": layout}
-
-
-def test_workers_that_cannot_exchange_kv_are_never_paired(workers: Any, router: Any) -> None:
-    """Each prefill is paired only with decodes of the same KV layout and backend; when no
-    pair is left, /ready and every request say what differs between whom."""
-    ps = [workers("prefill") for _ in range(3)]
-    ds = [workers("decode") for _ in range(2)]
-    for w, spec in zip([*ps, *ds], [kv(), kv(page_size=8), kv("tcp"), kv(page_size=8), kv()],
-                       strict=True):
-        w.kv_transfer = spec
-    r = router(ps, ds)
-    assert r.client.get("/ready").json()["ready_workers"] == {"prefill": 3, "decode": 2}
-    for i in range(8):
-        assert send(r, f"r{i}").status_code == 200
-    pairs = {(served_by(ps, f"r{i}"), served_by(ds, f"r{i}")) for i in range(8)}
-    assert pairs == {(0, 1), (1, 0)}  # the tcp prefill has no partner: it gets nothing
-
-    ps[0].ready = ps[1].ready = False  # only the tcp prefill is left
-    wait_for(lambda: r.client.get("/ready").status_code == 503, what="/ready 503")
-    message = r.client.get("/ready").json()["error"]["message"]
-    assert f"prefill {ps[2].url} vs decode {ds[0].url}: KV backend tcp vs nixl" in message, message
-    answer = send(r, "late")
-    assert answer.status_code == 503 and "can send KV" in answer.json()["error"]["message"]
-    assert not any(w.got("late") for w in [*ps, *ds])
-
-    ps[2].kv_transfer = kv("tcp", page_size=8)
-    ds[0].kv_transfer = kv(page_size=4)
-    wait_for(lambda: "page_size 8 vs 4" in r.client.get("/ready").text, what="layout message")
+    system = list(range(1000, 1400))  # 100 pages of 4
+    blocks_of(system, "http://p1:1", index)
+    blocks_of([], "http://p0:1", index)
+    assert policy.pick(ps, d, [*system, 1, 2, 3])[0] is ps[1]  # 3 tokens to compute, not 403
+    ps[1].in_flight = 1  # 3 + 256 < 403: still worth waiting for
+    assert policy.pick(ps, d, [*system, 4, 5])[0] is ps[1]
+    ps[1].in_flight = 2  # 2 + 512 > 402: the idle one computes it sooner
+    assert policy.pick(ps, d, [*system, 6, 7])[0] is ps[0]
+    assert policy.pick(ps, d, None)[0] is ps[0]  # no ids: least_load

@@ -81,8 +81,10 @@ def router_command(svc: InferenceService) -> list[str]:
         workers = ["--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
                    "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}"]
     auth = [] if svc.router.api_key_secret is None else ["--api-key-file", API_KEYS_FILE]
+    # the image carries the builtin models: the router reads prompts with the same tokenizer
+    tokenizer = ["--tokenizer", svc.model.model_arg] if svc.model.kind == "builtin" else []
     return ["baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *workers,
-            "--policy", svc.router.policy, *auth, *svc.router.args]
+            "--policy", svc.router.policy, *tokenizer, *auth, *svc.router.args]
 
 
 def _selector(svc: InferenceService, role: Role) -> str:
