@@ -86,3 +86,33 @@ def test_a_second_round_hits_the_prefill_cache_and_the_client_sees_it(
     assert not decode["enabled"] and decode["cached_tokens"] == 0
     for srv in (pair.prefill, pair.decode):
         assert httpx.get(f"{srv.url}/debug/stats").json()["kv_all_free"]
+
+
+def test_multi_turn_chats_through_pd_equal_colocated(
+        pair: Pair, server: ServerProcess, tokenizer: Any) -> None:
+    """4 chats x 3 turns, each turn's prompt the last one + its answer + a new line: PD (its
+    prefill reusing the chat so far) returns what colocated `baton serve` returns."""
+    preamble = ("A conversation between a curious user and an assistant who answers in "
+                "plain words, briefly, and never makes up facts it does not know.\n")
+    histories = [tokenizer.encode(f"{preamble}User: {q}\nAssistant:") for q in
+                 ("Name a river.", "Count to five.", "What is rain?", "Say hello in French.")]
+    params = {"temperature": 0, "max_new_tokens": 12}
+
+    async def turn() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            results = await asyncio.gather(*[pd_call(http, pair, "/generate", {
+                "input_ids": ids, "sampling_params": params, **pair.fields()})
+                for ids in histories])
+        return [decoded for _, decoded in results]
+
+    for k in range(3):
+        pd = asyncio.run(turn())
+        with httpx.Client(timeout=120) as http:
+            colocated = [http.post(f"{server.url}/generate", json={
+                "input_ids": ids, "sampling_params": params}).json() for ids in histories]
+        for i, (a, b) in enumerate(zip(pd, colocated, strict=True)):
+            assert a["output_ids"] == b["output_ids"], f"chat {i}, turn {k}"
+            if k:
+                assert a["meta_info"]["cached_tokens"] > 0, f"chat {i}, turn {k}: no reuse"
+        histories = [h + r["output_ids"] + tokenizer.encode("\nUser: Go on.\nAssistant:")
+                     for h, r in zip(histories, pd, strict=True)]

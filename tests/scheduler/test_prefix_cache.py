@@ -12,8 +12,8 @@ from runtime.config import SchedulerConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_runner import FakeRunner, expected_outputs
-from tests.scheduler.test_scheduler import assert_correct, run
+from tests.scheduler.fake_runner import FakeRunner
+from tests.scheduler.test_scheduler import assert_correct, churn, run
 
 FUZZ_SEEDS = int(os.environ.get("BATON_FUZZ_SEEDS", "8"))
 PS = 4
@@ -138,24 +138,7 @@ def test_randomized_shared_prefixes_aborts_retractions_and_a_tiny_pool(seed: int
     stems = [words(rng.randrange(0, 30), 100 + k) for k in range(5)]
     reqs = [req(f"r{i}", rng.choice(stems) + words(rng.randrange(1, 12), i),
                 rng.randrange(1, 30)) for i in range(40)]
-    pending, aborted, finished = list(reqs), set(), set()
-    for _ in range(8000):
-        if pending and rng.random() < 0.3:
-            sched.add_request(pending.pop(0))
-        if rng.random() < 0.02:
-            live = [r for r in reqs if r not in pending and not r.finished]
-            if live:
-                victim = rng.choice(live)
-                assert sched.abort(victim.rid)
-                aborted.add(victim.rid)
-        finished |= {o.rid for o in sched.step() if o.finished}
-        if not pending and not sched.has_work():
-            break
-    assert not pending and finished == {r.rid for r in reqs}
-    assert_correct([r for r in reqs if r.rid not in aborted])
-    for r in reqs:
-        want = expected_outputs(r.origin_input_ids, r.sampling_params.max_new_tokens)
-        assert r.output_ids == want[: len(r.output_ids)]
+    churn(sched, reqs, rng, abort_p=0.02, steps=8000)
     assert runner.kv.cache is not None and runner.kv.cache.stats.hit_tokens > 0
     settle(sched, runner)
     sched.shutdown()

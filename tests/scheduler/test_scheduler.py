@@ -246,11 +246,20 @@ def test_randomized_arrivals_aborts_and_tiny_kv(seed: int) -> None:
     )
     sched = Scheduler(config, runner)
     reqs = [make_req(f"r{i}", rng.randrange(1, 40), rng.randrange(1, 40), seed=i) for i in range(30)]
+    churn(sched, reqs, rng, abort_p=0.03, steps=5000)
+    assert runner.kv.is_all_free()
+    sched.shutdown()
+
+
+def churn(sched: Scheduler, reqs: list[Req], rng: random.Random, abort_p: float,
+          steps: int) -> None:
+    """Feed `reqs` in at random, abort live ones at random, run to the end; then every request
+    reported one finish, the unaborted ones are exact and the aborted ones a correct prefix."""
     pending, aborted, finished = list(reqs), set(), set()
-    for _ in range(5000):
+    for _ in range(steps):
         if pending and rng.random() < 0.3:
             sched.add_request(pending.pop(0))
-        if rng.random() < 0.03:
+        if rng.random() < abort_p:
             live = [r for r in reqs if r not in pending and not r.finished]
             if live:
                 victim = rng.choice(live)
@@ -265,8 +274,6 @@ def test_randomized_arrivals_aborts_and_tiny_kv(seed: int) -> None:
     for r in reqs:  # aborted ones hold a correct prefix of their tokens
         want = expected_outputs(r.origin_input_ids, r.sampling_params.max_new_tokens)
         assert r.output_ids == want[: len(r.output_ids)]
-    assert runner.kv.is_all_free()
-    sched.shutdown()
 
 
 def test_a_long_chunked_prompt_never_laps_the_future_map() -> None:
