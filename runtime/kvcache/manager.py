@@ -67,9 +67,6 @@ class KVCacheManager:
         tokens = req.fill_ids
         usable = (len(tokens) - 1) // self.page_size * self.page_size
         pages, node = self.cache.match(tokens[:usable])
-        stats = self.cache.stats
-        stats.query_tokens += len(tokens)
-        stats.hit_tokens += len(pages) * self.page_size
         if not pages:
             return 0
         self.cache.lock(node)
@@ -84,6 +81,12 @@ class KVCacheManager:
         req.kv_pages = list(pages)
         req.kv_len = req.computed_len = n
         return n
+
+    def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """An admitted request looked up `query_tokens` and found `hit_tokens` cached."""
+        if self.cache is not None:
+            self.cache.stats.query_tokens += query_tokens
+            self.cache.stats.hit_tokens += hit_tokens
 
     def cache_progress(self, req: KVHolder) -> None:
         """A request still running (a long chunked prefill) offers its computed full pages to

@@ -50,15 +50,16 @@ class PrefillAdder:
         """Try to add (a chunk of) req; False means stop adding."""
         if len(self.batch) >= self.max_new_reqs or self.budget <= 0:
             return False
-        fresh = not req.kv_pages
-        if fresh:  # from scratch (new, or retracted): start from its longest cached prefix
-            reused = self.kv.adopt_prefix(req)
-            if not req.is_retracted:
-                req.cached_tokens = reused
+        fresh = not req.kv_pages  # from scratch (new, or retracted): from its cached prefix
+        reused = self.kv.adopt_prefix(req) if fresh else 0
+        if fresh and not req.is_retracted:
+            req.cached_tokens = reused
         if not self._fits(req):
             if fresh:
                 self.kv.release(req)  # waits unlocked: nothing it matched is pinned meanwhile
             return False
+        if fresh:  # counted once it is admitted, not at every look while it waits
+            self.kv.count_lookup(len(req.fill_ids), reused)
         return self._take(req)
 
     def _fits(self, req: Req) -> bool:

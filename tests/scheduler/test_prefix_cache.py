@@ -57,6 +57,10 @@ def test_a_second_round_reuses_every_full_page_and_outputs_stay_exact(overlap: b
     for r in second:
         assert r.cached_tokens == (len(r.origin_input_ids) - 1) // PS * PS, r.rid
     assert sum(r.cached_tokens for r in first) > 0, "the shared system prompt hit in round 1"
+    stats = runner.kv.cache.stats  # type: ignore[union-attr]
+    everyone = first + second  # each counted once, however many steps it waited in the queue
+    assert stats.query_tokens == sum(len(r.origin_input_ids) for r in everyone)
+    assert stats.hit_tokens == sum(r.cached_tokens for r in everyone)
     settle(sched, runner)
     sched.shutdown()
 
@@ -140,5 +144,33 @@ def test_randomized_shared_prefixes_aborts_retractions_and_a_tiny_pool(seed: int
                 rng.randrange(1, 30)) for i in range(40)]
     churn(sched, reqs, rng, abort_p=0.02, steps=8000)
     assert runner.kv.cache is not None and runner.kv.cache.stats.hit_tokens > 0
+    settle(sched, runner)
+    sched.shutdown()
+
+
+def test_a_request_waiting_for_room_pins_nothing_and_is_counted_once() -> None:
+    """A request whose cached prefix is found but whose suffix does not fit yet lets the prefix
+    go while it waits (it stays evictable), and its lookup counts once, when it is admitted."""
+    runner = FakeRunner(num_pages=20, page_size=PS, prefix_cache=True)
+    # a full decode reserve: the running request keeps room for all 60 of its tokens
+    sched = Scheduler(SchedulerConfig(enable_overlap=False, new_token_ratio=1.0), runner)
+    stem = words(12, 1)
+    run(sched, [req("warm", stem, 2)])  # the stem's 3 pages are cached now
+    big = req("big", words(12, 2), 60)
+    sched.add_request(big)
+    sched.step()
+    late = req("late", [*stem, 5], 4)
+    sched.add_request(late)
+    waited = 0
+    while late in sched.waiting:
+        assert late.cache_node is None and not late.kv_pages, "a waiting request pins pages"
+        sched.step()
+        waited += 1
+    run(sched, [])
+    # it waited unlocked, so the big one's growth could evict the stem's least recent page
+    assert waited > 10 and 0 < late.cached_tokens <= 12
+    assert_correct([big, late])
+    stats = runner.kv.cache.stats  # type: ignore[union-attr]
+    assert stats.query_tokens == 12 + 12 + 13 and stats.hit_tokens == late.cached_tokens
     settle(sched, runner)
     sched.shutdown()
