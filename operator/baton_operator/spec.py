@@ -8,6 +8,7 @@ here, so the builders can stay simple.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +17,9 @@ from baton_operator.checks import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
     HOSTNAME,
+    LABEL_VALUE,
     QUANTITY,
+    RESOURCE_NAME,
     InvalidSpec,
     choice,
     env_vars,
@@ -51,6 +54,22 @@ METRICS = ("cpu", "memory")
 _LONGEST_SUFFIX = len("-prefill")
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+CPU_SHM, GPU_SHM = "1Gi", "8Gi"  # /dev/shm: NCCL and UCX stage through it on a GPU node
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """`spec.<pool>.gpu`: the pool runs on NVIDIA GPUs, one per pod (docs/operator.md "GPU
+    pools")."""
+
+    count: int = 1
+    product: str | None = None  # the nodes' nvidia.com/gpu.product label
+    runtime_class: str | None = None
+    mem_fraction_static: float = 0.85
+    rdma_resource: str | None = None  # an RDMA device resource, e.g. rdma/hca_shared_devices_a
+
+
 @dataclass(frozen=True)
 class Pool:
     """One worker pool (prefill or decode)."""
@@ -61,10 +80,11 @@ class Pool:
     env: tuple[Mapping[str, Any], ...] = ()
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
-    shared_memory_size: str = "1Gi"
+    shared_memory_size: str = CPU_SHM
     max_surge: int | str = "25%"
     max_unavailable: int | str = 0
     template: Mapping[str, Any] = field(default_factory=dict)
+    gpu: Gpu | None = None
 
 
 @dataclass(frozen=True)
@@ -170,13 +190,15 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
 def _pool(raw: Any, where: str) -> Pool:
     pool = mapping(raw, where)
     rollout = mapping(pool.get("rolloutStrategy"), f"{where}.rolloutStrategy")
-    shm = pool.get("sharedMemorySize", "1Gi")
+    resources = mapping(pool.get("resources"), f"{where}.resources")
+    gpu = _gpu(pool.get("gpu"), resources, where)
+    shm = pool.get("sharedMemorySize", GPU_SHM if gpu is not None else CPU_SHM)
     if isinstance(shm, bool) or not ((isinstance(shm, int) and shm >= 0) or
                                      (isinstance(shm, str) and QUANTITY.match(shm))):
         raise InvalidSpec(f"{where}.sharedMemorySize {shm!r}: expected a quantity such as 1Gi")
     return Pool(
         replicas=integer(pool.get("replicas", 1), f"{where}.replicas", minimum=0),
-        resources=mapping(pool.get("resources"), f"{where}.resources"),
+        resources=resources,
         args=strings(pool.get("args"), f"{where}.args"),
         env=env_vars(pool.get("env"), f"{where}.env"),
         node_selector=string_map(pool.get("nodeSelector"), f"{where}.nodeSelector"),
@@ -187,7 +209,45 @@ def _pool(raw: Any, where: str) -> Pool:
         max_unavailable=int_or_percent(rollout.get("maxUnavailable", 0),
                                        f"{where}.rolloutStrategy.maxUnavailable"),
         template=_template(pool.get("template"), f"{where}.template"),
+        gpu=gpu,
     )
+
+
+def _gpu(raw: Any, resources: Mapping[str, Any], where: str) -> Gpu | None:
+    """`gpu`, or a GPU limit in the pool's resources (the same thing said the Kubernetes way)."""
+    limit = mapping(resources.get("limits"), f"{where}.resources.limits").get(GPU_RESOURCE)
+    if raw is None and limit is None:
+        return None
+    gpu = mapping(raw, f"{where}.gpu")
+    field = f"{where}.gpu.count"
+    count = integer(gpu.get("count", 1), field, minimum=1)
+    if limit is not None:
+        limit_field = f"{where}.resources.limits[{GPU_RESOURCE}]"
+        limit_count = integer(int(limit) if isinstance(limit, str) and limit.isdigit() else limit,
+                              limit_field, minimum=1)
+        if raw is not None and "count" in gpu and limit_count != count:
+            raise InvalidSpec(f"{field} {count} and {limit_field} {limit_count} disagree")
+        field, count = limit_field, limit_count
+    if count > 1:
+        raise InvalidSpec(f"{field} {count}: one GPU per pod for now (tensor parallelism "
+                          "does not exist yet); scale with replicas instead")
+    fraction = gpu.get("memFractionStatic", 0.85)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or \
+            not 0 < fraction < 1:
+        raise InvalidSpec(f"{where}.gpu.memFractionStatic {fraction!r}: a fraction in (0, 1)")
+    return Gpu(
+        count=count,
+        product=_optional(gpu.get("product"), f"{where}.gpu.product", LABEL_VALUE),
+        runtime_class=_optional(gpu.get("runtimeClassName"), f"{where}.gpu.runtimeClassName",
+                                DNS_SUBDOMAIN),
+        mem_fraction_static=float(fraction),
+        rdma_resource=_optional(gpu.get("rdmaResource"), f"{where}.gpu.rdmaResource",
+                                RESOURCE_NAME),
+    )
+
+
+def _optional(value: Any, where: str, pattern: re.Pattern[str]) -> str | None:
+    return None if value is None else matching(value, where, pattern)
 
 
 def _router(raw: Any, where: str) -> RouterPool:

@@ -13,8 +13,7 @@ from chart_support import errors, isvc
 from tests.kube.kmock_admission import apply_defaults
 
 POOL_DEFAULTS = {
-    "replicas": 1,
-    "sharedMemorySize": "1Gi",
+    "replicas": 1,  # sharedMemorySize: the operator's default, 1Gi or 8Gi on a GPU
     "rolloutStrategy": {"maxSurge": "25%", "maxUnavailable": 0},
 }
 # Where the schema may keep unknown fields (corev1 passthroughs and kopf's own status key).
@@ -86,7 +85,8 @@ def test_schema_is_structural(crd_schema):
             assert "type" not in node, path
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
         else:
-            assert node.get("type") in {"object", "array", "string", "integer", "boolean"}, path
+            assert node.get("type") in {"object", "array", "string", "integer", "number",
+                                        "boolean"}, path
         if node.get("x-kubernetes-preserve-unknown-fields"):
             preserved.add(path)
         if "default" in node:  # the API server requires defaults to validate

@@ -514,3 +514,65 @@ def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
 def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any]) -> None:
     for child in build_children(service(**spec)):
         kubernetes_validate.validate(child, "1.30", strict=True)
+
+
+# -- GPU pools -----------------------------------------------------------------------------
+
+GPU_SPEC = {"kvTransfer": {"backend": "nixl"},
+            "prefill": {"gpu": {"product": "NVIDIA-H100-80GB-HBM3", "runtimeClassName": "nvidia",
+                                "memFractionStatic": 0.8, "rdmaResource": "rdma/hca"},
+                        "resources": {"limits": {"memory": "32Gi"}}},
+            "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}},
+                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}}
+
+
+def test_a_gpu_pool_asks_for_a_gpu_node_and_runs_on_cuda() -> None:
+    from runtime.server.args import build_parser
+
+    svc = service(**GPU_SPEC)
+    prefill = build_deployment(svc, "prefill")
+    pod, main = prefill["spec"]["template"]["spec"], main_container(prefill)
+    assert command(prefill)[-6:] == ["--device", "cuda", "--mem-fraction-static", "0.8",
+                                     "--attention-backend", "auto"]
+    parsed = build_parser().parse_args(command(prefill)[2:])
+    assert (parsed.device, parsed.mem_fraction_static, parsed.attention_backend) == (
+        "cuda", 0.8, "auto")
+    assert main["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 1, "rdma/hca": 1}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert by_name(pod["volumes"])["dshm"]["emptyDir"]["sizeLimit"] == "8Gi"
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["UCX_TLS"] == "rc,cuda_ipc,cuda_copy,tcp"
+    assert env["UCX_TCP_PORT_RANGE"] == "20000-20015"
+
+
+def test_a_gpu_limit_in_resources_makes_a_gpu_pool_too() -> None:
+    svc = service(**GPU_SPEC)
+    decode = build_deployment(svc, "decode")
+    pod, main = decode["spec"]["template"]["spec"], main_container(decode)
+    assert "--device" in command(decode) and "0.85" in command(decode)
+    assert main["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]  # theirs
+    assert "nodeSelector" not in pod and "runtimeClassName" not in pod
+    assert {e["name"]: e.get("value") for e in main["env"]}["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+    assert svc.decode.gpu is not None and svc.decode.shared_memory_size == "8Gi"
+
+
+def test_the_router_and_cpu_pools_never_ask_for_a_gpu() -> None:
+    svc = service(**GPU_SPEC)
+    router = build_deployment(svc, "router")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(router) and "tolerations" not in router
+    cpu = build_deployment(service(), "prefill")
+    assert "--device" not in command(cpu)
+    assert "UCX_TLS" not in {e["name"] for e in main_container(cpu)["env"]}
+    assert by_name(cpu["spec"]["template"]["spec"]["volumes"])["dshm"]["emptyDir"][
+        "sizeLimit"] == "1Gi"
+    explicit = service(prefill={"gpu": {}, "sharedMemorySize": "2Gi"})
+    assert explicit.prefill.shared_memory_size == "2Gi"
+
+
+def test_gpu_pools_validate_against_kubernetes_schemas() -> None:
+    for child in build_children(service(**GPU_SPEC)):
+        kubernetes_validate.validate(child, "1.30", strict=True)

@@ -22,9 +22,11 @@ from baton_operator.builders.common import (
     service_host,
 )
 from baton_operator.model import MODEL_MOUNT
-from baton_operator.spec import InferenceService, Role, WorkerRole
+from baton_operator.spec import GPU_RESOURCE, Gpu, InferenceService, Pool, Role, WorkerRole
 
 CONTAINER = "main"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set on each node by NVIDIA's GPU feature discovery
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 MODEL_VOLUME = "models"  # holds the weights at /models, whatever the source
 CACHE_DIR = "/cache"
 API_KEYS_VOLUME = "api-keys"
@@ -67,6 +69,10 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
     else:
         cmd += ["--kv-port", str(KV_PORT)]
     cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
+    gpu = svc.pool(role).gpu
+    if gpu is not None:  # the KV pool takes what the weights leave of this share of the GPU
+        cmd += ["--device", "cuda", "--mem-fraction-static", f"{gpu.mem_fraction_static:g}",
+                "--attention-backend", "auto"]
     return cmd + list(svc.pool(role).args)
 
 
@@ -99,8 +105,9 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     # UCX's TCP listeners confined to a range (nixl)
     ports = [_port("http", HTTP_PORT),
              _port("bootstrap", BOOTSTRAP_PORT) if role == "prefill" else _port("kv", KV_PORT)]
-    env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc), *pool.env)
-    container = _container(svc, serve_command(svc, role), ports, pool.resources, env,
+    env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc, pool.gpu),
+                                          *pool.env)
+    container = _container(svc, serve_command(svc, role), ports, _resources(pool), env,
                            mounts=[*_scratch_mounts(), {"name": "dshm", "mountPath": "/dev/shm"},
                                    cluster_key.key_mount(), *mounts],
                            startup=WORKER_STARTUP)
@@ -115,10 +122,7 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     }
     if init:
         spec["initContainers"] = init
-    if pool.node_selector:
-        spec["nodeSelector"] = dict(pool.node_selector)
-    if pool.tolerations:
-        spec["tolerations"] = copy.deepcopy(list(pool.tolerations))
+    spec.update(_placement(pool))
     generated = {"metadata": _pod_metadata(svc, role), "spec": spec}
     pod: dict[str, Any] = merge(generated, pool.template)
     pod["metadata"]["labels"].update(labels(svc, role))  # the selector must keep matching
@@ -266,10 +270,48 @@ def _scratch_mounts() -> list[dict[str, Any]]:
     return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
 
 
-def _ucx_env(svc: InferenceService) -> tuple[dict[str, str], ...]:
+def _ucx_env(svc: InferenceService, gpu: Gpu | None) -> tuple[dict[str, str], ...]:
     if svc.kv_backend != "nixl":
         return ()
-    return ({"name": "UCX_TCP_PORT_RANGE", "value": UCX_PORTS},)
+    env = [{"name": "UCX_TCP_PORT_RANGE", "value": UCX_PORTS}]
+    if gpu is not None:  # KV moves GPU to GPU: CUDA IPC on one node, RDMA (when given) across
+        tls = ["rc"] if gpu.rdma_resource else []
+        env.append({"name": "UCX_TLS", "value": ",".join([*tls, "cuda_ipc", "cuda_copy", "tcp"])})
+    return tuple(env)
+
+
+def _resources(pool: Pool) -> Mapping[str, Any]:
+    """The pool's resources, with the GPU (and RDMA device) limits a GPU pool needs."""
+    gpu = pool.gpu
+    if gpu is None:
+        return pool.resources
+    resources = copy.deepcopy(dict(pool.resources))
+    limits = resources.setdefault("limits", {})
+    limits[GPU_RESOURCE] = gpu.count
+    if gpu.rdma_resource:
+        limits.setdefault(gpu.rdma_resource, 1)
+    return resources
+
+
+def _placement(pool: Pool) -> dict[str, Any]:
+    """nodeSelector, tolerations and runtimeClassName: the pool's own, and for a GPU pool the
+    product's label, the GPU nodes' taint and the runtime class. Routers get none of these,
+    so they never land on a tainted GPU node."""
+    selector = dict(pool.node_selector)
+    tolerations = copy.deepcopy(list(pool.tolerations))
+    out: dict[str, Any] = {}
+    if pool.gpu is not None:
+        if pool.gpu.product:
+            selector.setdefault(GPU_PRODUCT_LABEL, pool.gpu.product)
+        if not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+            tolerations.append(copy.deepcopy(GPU_TOLERATION))
+        if pool.gpu.runtime_class:
+            out["runtimeClassName"] = pool.gpu.runtime_class
+    if selector:
+        out["nodeSelector"] = selector
+    if tolerations:
+        out["tolerations"] = tolerations
+    return out
 
 
 def _port(name: str, port: int) -> dict[str, Any]:
