@@ -14,6 +14,9 @@ from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.req import Req
 
 DECODE_RESERVE_CLIP = 256  # tokens: reserve no more than this per request
+# a prompt that shares at least this many uncached tokens with one being prefilled right now
+# waits for it and reads them from the prefix cache (a shared chat-template header does not)
+WAIT_FOR_SHARED_TOKENS = 64
 
 
 def decode_reserve_tokens(reqs: Iterable[Req], ratio: float) -> int:
@@ -62,6 +65,23 @@ class PrefillAdder:
             self.kv.count_lookup(len(req.fill_ids), reused)
         return self._take(req)
 
+    def should_wait(self, req: Req, prefilling: Iterable[Req]) -> bool:
+        """Would `req` compute WAIT_FOR_SHARED_TOKENS or more prompt tokens that a request in
+        this batch, or one whose prefill is still in flight, computes too? Then it waits a
+        step or two and finds them in the prefix cache: a burst of prompts with one long
+        system prompt computes it once, not once per prompt."""
+        cache = self.kv.cache
+        if cache is None or req.kv_pages:
+            return False
+        ids, ps = req.fill_ids, self.kv.page_size
+        usable = (len(ids) - 1) // ps * ps
+        shared = max((_common_pages(ids, other.fill_ids, ps, usable)
+                      for other in (*self.batch.reqs, *prefilling)), default=0)
+        if shared < WAIT_FOR_SHARED_TOKENS:
+            return False
+        cached = len(cache.match(ids[:shared])[0]) * ps
+        return shared - cached >= WAIT_FOR_SHARED_TOKENS
+
     def _fits(self, req: Req) -> bool:
         remaining = len(req.fill_ids) - req.kv_len
         n = min(remaining, self.budget)
@@ -89,3 +109,11 @@ class PrefillAdder:
         if not is_last:
             self.chunked = req
         return is_last
+
+
+def _common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
+    """Tokens in the full pages `a` and `b` start with alike (at most `limit`)."""
+    n = 0
+    while n + page_size <= limit and a[n:n + page_size] == b[n:n + page_size]:
+        n += page_size
+    return n

@@ -248,9 +248,10 @@ class Scheduler:
                 continue
             assert done.kv_lens is not None
             req.computed_len = max(req.computed_len, done.kv_lens[i])  # its KV is written now
-            if done.mode == "extend" and not done.is_last_chunk[i]:
-                self.kv.cache_progress(req)  # a long prompt's pages are reusable already
-                continue
+            if done.mode == "extend":  # its prompt's pages are reusable from now on
+                self.kv.cache_progress(req)
+                if not done.is_last_chunk[i]:
+                    continue
             k = req.top_logprobs_num
             req.append_token(
                 ids[i],
@@ -316,12 +317,21 @@ class Scheduler:
         if chunked is not None and not adder.add(chunked) and adder.chunked is None:
             self.chunked_req = chunked  # no room for its next chunk yet: decode first
             return None  # and nobody overtakes it (one chunked request at a time)
-        while self.waiting and adder.chunked is None and adder.add(self.waiting[0]):
+        # prompts whose prefill is launched but not processed yet: not in the cache so far
+        prefilling = [r for r in running if r.computed_len < len(r.origin_input_ids)]
+        deferred: list[Req] = []
+        while self.waiting and adder.chunked is None:
+            if adder.should_wait(self.waiting[0], prefilling):
+                deferred.append(self.waiting.popleft())  # keeps its place for the next step
+                continue
+            if not adder.add(self.waiting[0]):
+                break
             self.waiting.popleft()
         if adder.chunked is not None:
             self.chunked_req = adder.chunked
             if self.waiting and self.waiting[0] is adder.chunked:
                 self.waiting.popleft()
+        self.waiting.extendleft(reversed(deferred))
         return None if adder.batch.is_empty() else adder.batch
 
     def _make_decode_room(self) -> None:

@@ -174,3 +174,27 @@ def test_a_request_waiting_for_room_pins_nothing_and_is_counted_once() -> None:
     assert stats.query_tokens == 12 + 12 + 13 and stats.hit_tokens == late.cached_tokens
     settle(sched, runner)
     sched.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_burst_sharing_a_long_prefix_computes_it_once(overlap: bool) -> None:
+    """8 prompts with one 80-token stem arrive at once: the first computes the stem, the others
+    wait for it to reach the cache (a step or two) instead of computing it 7 more times; a
+    short shared head (under the threshold) holds nobody back."""
+    runner = FakeRunner(num_pages=256, page_size=PS, prefix_cache=True)
+    sched = Scheduler(SchedulerConfig(enable_overlap=overlap, chunked_prefill_size=512), runner)
+    stem = words(80, 1)
+    burst = [req(f"b{i}", [*stem, *words(3, 10 + i)], 4) for i in range(8)]
+    run(sched, burst)
+    assert_correct(burst)
+    prompt_tokens = sum(b.extend_lens_t.sum().item() for b in runner.batches if b.mode == "extend")
+    assert prompt_tokens <= 83 + 7 * 7, "the stem was computed more than once"
+    assert sorted(r.cached_tokens for r in burst) == [0] + [80] * 7
+    short = [req(f"s{i}", [*words(8, 2), *words(30, 20 + i)], 2) for i in range(4)]
+    runner.batches.clear()
+    run(sched, short)
+    assert_correct(short)
+    first_prefill = next(b for b in runner.batches if b.mode == "extend")
+    assert first_prefill.batch_size == 4, "a short shared head deferred someone"
+    settle(sched, runner)
+    sched.shutdown()
