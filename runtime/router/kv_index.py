@@ -118,7 +118,8 @@ async def follow(client: httpx.AsyncClient, index: KVIndex, url: str) -> None:
             async with client.stream("GET", f"{url}/kv_events",
                                      timeout=httpx.Timeout(SILENCE_S, connect=5.0)) as resp:
                 if resp.status_code != 200:
-                    wait = NO_CACHE_RETRY_S if resp.status_code == 503 else wait
+                    if b"no_kv_events" in await resp.aread():  # it keeps no cache: for good
+                        wait = NO_CACHE_RETRY_S
                     raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request,
                                                 response=resp)
                 async for line in resp.aiter_lines():

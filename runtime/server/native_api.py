@@ -103,9 +103,12 @@ async def kv_events(request: Request) -> Response:
     block stored or removed after it, numbered (runtime/server/kv_events.py)."""
     tm: TokenizerManager = request.app.state.tm
     log = tm.kv_events
-    if log is None or tm.unavailable is not None:
-        why = tm.unavailable or "this server keeps no prefix cache"
-        return JSONResponse(error_body(why, "service_unavailable", "no_kv_events"), 503)
+    if tm.unavailable is not None or tm.info is None:  # loading, or going away: ask again soon
+        why = tm.unavailable or "not ready"
+        return JSONResponse(error_body(why, "service_unavailable", "not_ready"), 503)
+    if log is None:  # for good: a router asks rarely
+        return JSONResponse(error_body("this server keeps no prefix cache",
+                                       "service_unavailable", "no_kv_events"), 503)
     snapshot, sub = log.subscribe()
 
     async def events() -> AsyncIterator[str]:

@@ -118,3 +118,50 @@ def test_cache_aware_picks_the_least_to_compute_and_weighs_the_load() -> None:
     ps[1].in_flight = 2  # 2 + 512 > 402: the idle one computes it sooner
     assert policy.pick(ps, d, [*system, 6, 7])[0] is ps[0]
     assert policy.pick(ps, d, None)[0] is ps[0]  # no ids: least_load
+
+
+def test_a_follower_retries_a_loading_worker_soon_and_one_without_a_cache_rarely() -> None:
+    """A prefill still loading (503 not_ready) is asked again within a second, so a router
+    started with its workers learns their caches at once; one that keeps no cache
+    (503 no_kv_events) is asked again only after NO_CACHE_RETRY_S."""
+    import asyncio
+    import json as json_
+
+    from runtime.router.kv_index import NO_CACHE_RETRY_S, follow
+
+    def worker(codes: list[str]) -> tuple[httpx.MockTransport, list[str]]:
+        calls: list[str] = []
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            if len(calls) <= len(codes):
+                return httpx.Response(503, json={"error": {"code": codes[len(calls) - 1]}})
+            snapshot = {"type": "snapshot", "seq": 3, "instance": "i", "page_size": 4,
+                        "blocks": [7]}
+
+            async def events() -> Any:  # the snapshot, then a stream that stays open
+                yield f"data: {json_.dumps(snapshot)}\n\n".encode()
+                await asyncio.sleep(30)
+
+            return httpx.Response(200, content=events(),
+                                  headers={"content-type": "text/event-stream"})
+        return httpx.MockTransport(answer), calls
+
+    async def scenario(codes: list[str], within: float) -> tuple[KVIndex, list[str]]:
+        transport, calls = worker(codes)
+        index = KVIndex()
+        async with httpx.AsyncClient(transport=transport) as client:
+            task = asyncio.create_task(follow(client, index, "http://p0"))
+            deadline = asyncio.get_running_loop().time() + within
+            while "http://p0" not in index.workers and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            seen = dict(index.workers)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        index.workers = seen
+        return index, calls
+
+    index, calls = asyncio.run(scenario(["not_ready", "not_ready"], within=3.0))
+    assert index.workers["http://p0"].blocks == {7} and len(calls) == 3
+    index, calls = asyncio.run(scenario(["no_kv_events"], within=1.0))
+    assert index.workers == {} and calls == ["/kv_events"] and NO_CACHE_RETRY_S >= 10
