@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from baton_operator.policy import PodPolicy
+from baton_operator.spec import Images
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class OperatorConfig:
     # so the chart's namespaced mode (a Role only) turns it off.
     cluster_scanning: bool = True
     policy: PodPolicy = field(default_factory=PodPolicy)
+    images: Images = field(default_factory=Images)  # chart values image.cpu / image.cuda
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -28,4 +30,6 @@ class OperatorConfig:
             retry_seconds=float(env.get("BATON_OPERATOR_RETRY_SECONDS", cls.retry_seconds)),
             cluster_scanning=scanning == "true",
             policy=PodPolicy.from_env(env),
+            images=Images(cpu=env.get("BATON_OPERATOR_IMAGE") or Images.cpu,
+                          cuda=env.get("BATON_OPERATOR_IMAGE_CUDA") or Images.cuda),
         )

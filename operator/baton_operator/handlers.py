@@ -103,7 +103,7 @@ def _pass(memo: kopf.Memo, namespace: str, name: str, *, skippable: bool) -> Pas
             if body is None or body["metadata"].get("deletionTimestamp"):
                 memo.claims.update(namespace, name, [])
                 return None
-            result = run_pass(memo.kube, body, CONFIG.policy)
+            result = run_pass(memo.kube, body, CONFIG.policy, CONFIG.images)
     memo.claims.update(namespace, name, result.conflicts)
     _report(body, result)
     return result

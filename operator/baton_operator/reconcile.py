@@ -20,7 +20,7 @@ from baton_operator.builders.access import router_account
 from baton_operator.builders.cluster_key import build_cluster_key, ensure_cluster_key
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
-from baton_operator.spec import ROLES, InferenceService, InvalidSpec, parse_service
+from baton_operator.spec import ROLES, Images, InferenceService, InvalidSpec, parse_service
 from baton_operator.status import Problem, compute_status, invalid_status, same_status
 
 REJECTED = (400, 422)  # the API server refuses what the spec renders into
@@ -59,10 +59,12 @@ class PassResult:
         return [p for p in self.problems if p.reason == "InvalidSpec"]
 
 
-def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy) -> PassResult:
-    """Converge the children of the service in `body` (fresh from the API) and its status."""
+def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
+             images: Images | None = None) -> PassResult:
+    """Converge the children of the service in `body` (fresh from the API) and its status;
+    `images`: what its pods run unless the spec names an image."""
     try:
-        svc = parse_service(body)
+        svc = parse_service(body, images)
         check_policy(svc, policy)
     except InvalidSpec as e:
         result = PassResult(invalid=str(e))

@@ -59,6 +59,15 @@ CPU_SHM, GPU_SHM = "1Gi", "8Gi"  # /dev/shm: NCCL and UCX stage through it on a 
 
 
 @dataclass(frozen=True)
+class Images:
+    """The operator's images (chart values image.cpu / image.cuda), for a spec without
+    `image`: GPU pools run the CUDA one, everything else the CPU one."""
+
+    cpu: str = "baton:0.1.0"
+    cuda: str = "baton:0.1.0-cuda"
+
+
+@dataclass(frozen=True)
 class Gpu:
     """`spec.<pool>.gpu`: the pool runs on NVIDIA GPUs, one per pod (docs/operator.md "GPU
     pools")."""
@@ -133,7 +142,8 @@ class InferenceService:
     uid: str
     model: ModelSource
     generation: int = 1
-    image: str = "baton:0.1.0"
+    image: str | None = None  # spec.image: every pod runs it; None: `images` decide
+    images: Images = field(default_factory=Images)
     image_pull_policy: str = "IfNotPresent"
     prefill: Pool = field(default_factory=Pool)
     decode: Pool = field(default_factory=Pool)
@@ -146,6 +156,14 @@ class InferenceService:
     def pool(self, role: WorkerRole) -> Pool:
         return self.prefill if role == "prefill" else self.decode
 
+    def image_for(self, role: Role) -> str:
+        """`spec.image`, else the CUDA image for a GPU pool and the CPU image for the rest."""
+        if self.image is not None:
+            return self.image
+        if role == "router":
+            return self.images.cpu
+        return self.images.cuda if self.pool(role).gpu is not None else self.images.cpu
+
     def replicas(self, role: Role) -> int:
         return self.router.replicas if role == "router" else self.pool(role).replicas
 
@@ -157,8 +175,9 @@ class InferenceService:
         return f"http://{self.name}.{self.namespace}.svc.cluster.local:8000"
 
 
-def parse_service(body: Mapping[str, Any]) -> InferenceService:
-    """Parse an InferenceService object (metadata + spec) or raise `InvalidSpec`."""
+def parse_service(body: Mapping[str, Any], images: Images | None = None) -> InferenceService:
+    """Parse an InferenceService object (metadata + spec) or raise `InvalidSpec`; `images`:
+    what pods run when the spec names no image."""
     meta = body.get("metadata") or {}
     name = str(meta.get("name") or "")
     if not DNS_LABEL.match(name) or len(name) > 63 - _LONGEST_SUFFIX:
@@ -173,7 +192,8 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         uid=str(meta.get("uid") or ""),
         generation=int(meta.get("generation") or 1),
         model=parse_model(mapping(spec.get("model"), "spec.model")),
-        image=string(spec.get("image", "baton:0.1.0"), "spec.image"),
+        image=None if spec.get("image") is None else string(spec.get("image"), "spec.image"),
+        images=images or Images(),
         image_pull_policy=choice(spec.get("imagePullPolicy", "IfNotPresent"),
                                  "spec.imagePullPolicy", PULL_POLICIES),
         prefill=_pool(spec.get("prefill"), "spec.prefill"),

@@ -148,3 +148,16 @@ def test_allowed_extra_args_start_the_operator_cli(render: Render):
 def test_extra_args_the_operator_cannot_start_with_are_rejected(render: Render, bad):
     with pytest.raises(helm.HelmValuesError, match="extraArgs"):
         render({"operator": {"extraArgs": bad}})
+
+
+def test_the_images_of_inferenceservice_pods_reach_the_operator(render: Render):
+    """Unset: the operator's own image, and the same with -cuda for GPU pools."""
+    config = OperatorConfig.from_env(
+        {e["name"]: e["value"] for e in operator_container(render())["env"]})
+    assert (config.images.cpu, config.images.cuda) == ("baton:0.1.0", "baton:0.1.0-cuda")
+    values = {"image": {"repository": "reg.example/baton", "tag": "2.0",
+                        "cuda": "reg.example/baton-gpu:2.0"}}
+    config = OperatorConfig.from_env(
+        {e["name"]: e["value"] for e in operator_container(render(values))["env"]})
+    assert (config.images.cpu, config.images.cuda) == ("reg.example/baton:2.0",
+                                                       "reg.example/baton-gpu:2.0")

@@ -97,8 +97,7 @@ def test_schema_is_structural(crd_schema):
 def test_defaults_follow_the_contract(crd_schema):
     obj = apply_defaults(isvc({"model": {"uri": "builtin:smollm2-135m"}}), crd_schema)
     assert obj["spec"] == {
-        "model": {"uri": "builtin:smollm2-135m"},
-        "image": "baton:0.1.0",
+        "model": {"uri": "builtin:smollm2-135m"},  # image: the operator's (chart values)
         "imagePullPolicy": "IfNotPresent",
         "prefill": POOL_DEFAULTS,
         "decode": POOL_DEFAULTS,

@@ -576,3 +576,22 @@ def test_the_router_and_cpu_pools_never_ask_for_a_gpu() -> None:
 def test_gpu_pools_validate_against_kubernetes_schemas() -> None:
     for child in build_children(service(**GPU_SPEC)):
         kubernetes_validate.validate(child, "1.30", strict=True)
+
+
+def test_gpu_pools_run_the_cuda_image_unless_the_spec_names_one() -> None:
+    from baton_operator.spec import Images
+
+    images = Images(cpu="reg/baton:1", cuda="reg/baton:1-cuda")
+    body = {"metadata": {"name": "llm", "namespace": "ml", "uid": UID},
+            "spec": {"model": {"uri": "hf://org/name"}, "prefill": {"gpu": {}}}}
+    svc = parse_service(body, images)
+
+    def images_of(role: str) -> set[str]:
+        pod = build_deployment(svc, role)["spec"]["template"]["spec"]  # type: ignore[arg-type]
+        return {c["image"] for c in [*pod["containers"], *pod.get("initContainers", [])]}
+
+    assert images_of("prefill") == {"reg/baton:1-cuda"}  # the model pull too
+    assert images_of("decode") == images_of("router") == {"reg/baton:1"}
+    named = parse_service({**body, "spec": {**body["spec"], "image": "mine:2"}}, images)
+    assert {named.image_for(role) for role in ("prefill", "decode", "router")} == {"mine:2"}
+    assert service(prefill={"gpu": {}}).image_for("prefill") == "baton:0.1.0-cuda"  # defaults

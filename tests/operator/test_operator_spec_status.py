@@ -23,8 +23,8 @@ def body(name: str = "llm", **spec: Any) -> dict[str, Any]:
 
 def test_defaults_match_the_crd() -> None:
     svc = parse_service(body())
-    assert (svc.image, svc.image_pull_policy, svc.kv_backend) == ("baton:0.1.0", "IfNotPresent",
-                                                                  "nixl")
+    assert (svc.image, svc.image_pull_policy, svc.kv_backend) == (None, "IfNotPresent", "nixl")
+    assert {svc.image_for(role) for role in ("prefill", "decode", "router")} == {"baton:0.1.0"}
     assert (svc.prefill.replicas, svc.decode.replicas, svc.router.replicas) == (1, 1, 1)
     assert svc.router.policy == "cache_aware"
     assert svc.prefill.shared_memory_size == "1Gi"

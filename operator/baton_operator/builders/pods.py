@@ -100,14 +100,14 @@ def _selector(svc: InferenceService, role: Role) -> str:
 def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`)."""
     pool = svc.pool(role)
-    volumes, mounts, init = _model_source(svc)
+    volumes, mounts, init = _model_source(svc, role)
     # every port of the KV plane is declared: bootstrap (prefill), KV receiver (decode), and
     # UCX's TCP listeners confined to a range (nixl)
     ports = [_port("http", HTTP_PORT),
              _port("bootstrap", BOOTSTRAP_PORT) if role == "prefill" else _port("kv", KV_PORT)]
     env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc, pool.gpu),
                                           *pool.env)
-    container = _container(svc, serve_command(svc, role), ports, _resources(pool), env,
+    container = _container(svc, role, serve_command(svc, role), ports, _resources(pool), env,
                            mounts=[*_scratch_mounts(), {"name": "dshm", "mountPath": "/dev/shm"},
                                    cluster_key.key_mount(), *mounts],
                            startup=WORKER_STARTUP)
@@ -131,7 +131,7 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
 
 def build_router_pod(svc: InferenceService) -> dict[str, Any]:
     volumes, mounts = _api_keys(svc)
-    container = _container(svc, router_command(svc), [_port("http", HTTP_PORT)],
+    container = _container(svc, "router", router_command(svc), [_port("http", HTTP_PORT)],
                            svc.router.resources, (cluster_key.ENV, *svc.router.env),
                            mounts=[*_scratch_mounts(), cluster_key.key_mount(), *mounts],
                            startup=ROUTER_STARTUP)
@@ -191,12 +191,12 @@ def _keyed_list(value: Any, key: str) -> bool:
         isinstance(item, Mapping) and isinstance(item.get(key), (str, int)) for item in value)
 
 
-def _container(svc: InferenceService, command: list[str], ports: list[dict[str, Any]],
+def _container(svc: InferenceService, role: Role, command: list[str], ports: list[dict[str, Any]],
                resources: Mapping[str, Any], env: tuple[Mapping[str, Any], ...], *,
                mounts: list[dict[str, Any]], startup: Mapping[str, int]) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": svc.image,
+        "image": svc.image_for(role),
         "imagePullPolicy": svc.image_pull_policy,
         "command": command[:1],
         "args": command[1:],
@@ -215,7 +215,7 @@ def _container(svc: InferenceService, command: list[str], ports: list[dict[str, 
     return container
 
 
-def _model_source(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+def _model_source(svc: InferenceService, role: WorkerRole) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                                   list[dict[str, Any]]]:
     """Volumes, main-container mounts and init containers that put the model at /models."""
     model = svc.model
@@ -227,11 +227,11 @@ def _model_source(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dic
         host = {"path": model.location, "type": "Directory"}
         return [{"name": MODEL_VOLUME, "hostPath": host}], [mount], []
     if model.kind == "hf":
-        return [{"name": MODEL_VOLUME, "emptyDir": {}}], [mount], [_model_pull(svc)]
+        return [{"name": MODEL_VOLUME, "emptyDir": {}}], [mount], [_model_pull(svc, role)]
     return [], [], []  # builtin: shipped in the image, converted into the cache on start
 
 
-def _model_pull(svc: InferenceService) -> dict[str, Any]:
+def _model_pull(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     env: list[dict[str, Any]] = [dict(e) for e in CACHE_ENV]
     secret = svc.model.token_secret
     if secret is not None:
@@ -239,7 +239,7 @@ def _model_pull(svc: InferenceService) -> dict[str, Any]:
             "name": secret.name, "key": secret.key}}})
     return {
         "name": "model-pull",
-        "image": svc.image,
+        "image": svc.image_for(role),
         "imagePullPolicy": svc.image_pull_policy,
         "command": ["baton"],
         "args": ["model", "pull", svc.model.uri, "--dest", svc.model.model_arg],
