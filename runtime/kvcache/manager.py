@@ -53,10 +53,14 @@ class KVCacheManager:
         return self.allocator.num_pages - self.available_pages
 
     def _alloc(self, n: int) -> list[int]:
+        self._make_room(n)
+        return self.allocator.alloc(n)
+
+    def _make_room(self, n: int) -> None:
+        """Evict cached pages until `n` are free (one pass over the tree, however many)."""
         short = n - self.allocator.available_pages
         if short > 0 and self.cache is not None:
             self.allocator.free(self.cache.evict(short))
-        return self.allocator.alloc(n)
 
     def adopt_prefix(self, req: KVHolder) -> int:
         """A request about to be prefilled from scratch starts from the longest cached prefix
@@ -125,11 +129,12 @@ class KVCacheManager:
     def grow_one_each(self, reqs: list[KVHolder]) -> torch.Tensor:
         """Decode: one more slot for every request, in one table write. Returns [B] slots."""
         ps = self.page_size
+        self._make_room(sum(1 for r in reqs if r.kv_len // ps >= len(r.kv_pages)))
         slots, rows, cols = [], [], []
         for r in reqs:
             pos = r.kv_len
             if pos // ps >= len(r.kv_pages):
-                r.kv_pages.extend(self._alloc(1))
+                r.kv_pages.extend(self.allocator.alloc(1))
             slots.append(r.kv_pages[pos // ps] * ps + pos % ps)
             assert r.req_pool_idx is not None
             rows.append(r.req_pool_idx)
@@ -168,6 +173,5 @@ class KVCacheManager:
 
     def is_all_free(self) -> bool:
         """No request holds a page or a table row: every page is free or cached unlocked."""
-        locked = self.cache.locked_pages() if self.cache is not None else 0
-        return (self.available_pages == self.allocator.num_pages and locked == 0
+        return (self.available_pages == self.allocator.num_pages
                 and self.req_to_token.is_all_free())

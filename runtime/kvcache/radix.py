@@ -72,7 +72,9 @@ class RadixCache:
         self.cached_pages = 0  # nodes in the tree (root excluded)
         self.evictable_pages = 0  # of those, unlocked
         self.stats = CacheStats()
-        self.events: list[list[int]] = []  # [1 stored | 0 removed, block hash], for take_events
+        # [1 stored | 0 removed, block hash] for take_events; None: nobody follows them (the
+        # offline engine), so nothing piles up
+        self.events: list[list[int]] | None = None
         self._clock = itertools.count(1)
 
     # ---- lookups ----------------------------------------------------------------------------
@@ -126,7 +128,8 @@ class RadixCache:
                 node.children[key] = child
                 self.cached_pages += 1
                 self.evictable_pages += 1
-                self.events.append([STORED, child.hash])
+                if self.events is not None:
+                    self.events.append([STORED, child.hash])
             elif child.page != pages[i]:
                 if stop_at_duplicate:
                     break
@@ -152,7 +155,8 @@ class RadixCache:
             assert parent is not None
             del parent.children[leaf.key]
             freed.append(leaf.page)
-            self.events.append([REMOVED, leaf.hash])
+            if self.events is not None:
+                self.events.append([REMOVED, leaf.hash])
             self.cached_pages -= 1
             self.evictable_pages -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -174,16 +178,13 @@ class RadixCache:
 
     def take_events(self) -> list[list[int]]:
         """What was stored and removed since the last call, in order."""
-        out, self.events = self.events, []
+        out, self.events = self.events or [], []
         return out
 
     # ---- views ------------------------------------------------------------------------------
     def pages(self) -> list[int]:
         """Every page the tree holds."""
         return [n.page for n in self._nodes()]
-
-    def locked_pages(self) -> int:
-        return self.cached_pages - self.evictable_pages
 
     def hashes(self) -> list[int]:
         """The block hash of every cached page (the worker's KV events name blocks by these)."""

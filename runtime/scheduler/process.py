@@ -92,6 +92,8 @@ class SchedulerLoop:
         self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests,
                                   prefix_cache=not cache if cache is not None
                                   else args.role != "decode")
+        if self.runner.kv.cache is not None:
+            self.runner.kv.cache.events = []  # GET /kv_events follows them (_send_events)
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(

@@ -4,7 +4,7 @@ flight."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,4 +36,4 @@ class Launched:
     is_last_chunk: list[bool]
     result: Future[ForwardOutput]
     future_indices: torch.Tensor | None = None  # overlap: the FutureMap slots it fills
-    kv_lens: list[int] | None = None  # each request's kv_len once this forward has written
+    kv_lens: list[int] = field(default_factory=list)  # each request's kv_len once it wrote

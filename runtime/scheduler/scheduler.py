@@ -246,7 +246,6 @@ class Scheduler:
             # Dropped: finished or aborted meanwhile, evicted, or a prompt chunk that samples nothing.
             if req.finished or req.is_retracted:
                 continue
-            assert done.kv_lens is not None
             req.computed_len = max(req.computed_len, done.kv_lens[i])  # its KV is written now
             if done.mode == "extend":  # its prompt's pages are reusable from now on
                 self.kv.cache_progress(req)
@@ -318,7 +317,8 @@ class Scheduler:
             self.chunked_req = chunked  # no room for its next chunk yet: decode first
             return None  # and nobody overtakes it (one chunked request at a time)
         # prompts whose prefill is launched but not processed yet: not in the cache so far
-        prefilling = [r for r in running if r.computed_len < len(r.origin_input_ids)]
+        prefilling = [r for r in running if r.computed_len < len(r.origin_input_ids)
+                      ] if self.kv.cache is not None else []
         deferred: list[Req] = []
         while self.waiting and adder.chunked is None:
             if adder.should_wait(self.waiting[0], prefilling):

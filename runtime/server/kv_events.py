@@ -77,7 +77,7 @@ class KVEventLog:
 
     def _offer(self, sub: Subscription, batch: dict[str, Any]) -> None:
         try:
-            sub.queue.put_nowait({**batch, "blocks": list(batch["blocks"])})
+            sub.queue.put_nowait(batch)  # complete by now: subscribers share it
         except asyncio.QueueFull:
             self._end(sub)
 

@@ -17,6 +17,7 @@ import pytest
 
 from runtime.tokenizer import chat_prompt_ids, load_tokenizer
 from tests.disagg.pd import Pair, start_pair
+from tests.router.conftest import wait_for
 from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_port
 from tests.server.test_kv_events import cached
@@ -120,17 +121,6 @@ def index_matches(router: RouterProcess, servers: list[ServerProcess]) -> bool:
     return True
 
 
-def wait_until(check: Any, timeout: float = 20) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    assert check()
-
-
 def test_cache_aware_routes_to_the_cache_and_round_robin_thrashes(fleet: dict[str, Any]) -> None:
     convs = workload()
     best = ideal(fleet["model"], convs)
@@ -142,7 +132,7 @@ def test_cache_aware_routes_to_the_cache_and_round_robin_thrashes(fleet: dict[st
         try:
             results[policy] = run(router, convs)
             if policy == "cache_aware":
-                wait_until(lambda r=router: index_matches(r, prefills))  # type: ignore[misc]
+                wait_for(lambda r=router: index_matches(r, prefills), 20)  # type: ignore[misc]
         finally:
             assert router.stop() == 0
     print(f"ideal {best}, cached: {results}")
@@ -158,20 +148,20 @@ def test_the_index_forgets_a_killed_prefill_and_learns_its_successor(
     try:
         run(router, convs)
         second: ServerProcess = fleet["second"]
-        wait_until(lambda: index_matches(router, [pair.prefill, second]))
+        wait_for(lambda: index_matches(router, [pair.prefill, second]), 20)
         before = httpx.get(f"{router.url}/debug/kv_index").json()["workers"][second.url]
         second.kill()
-        wait_until(lambda: second.url not in httpx.get(
-            f"{router.url}/debug/kv_index").json()["workers"])
+        wait_for(lambda: second.url not in httpx.get(
+            f"{router.url}/debug/kv_index").json()["workers"], 20)
         fleet["second"] = second = ServerProcess(
             "--role", "prefill", "--bootstrap-port", str(fleet["bport"]), "--kv-transfer", "tcp",
             "--max-total-tokens", POOL, port=second.port, log_path=fleet["tmp"] / "prefill1b.log",
             model=str(fleet["model"]), env=pair.env)
         second.wait_ready()
-        wait_until(lambda: index_matches(router, [pair.prefill, second]), timeout=30)
+        wait_for(lambda: index_matches(router, [pair.prefill, second]), timeout=30)
         after = httpx.get(f"{router.url}/debug/kv_index").json()["workers"][second.url]
         assert after["instance"] != before["instance"] and len(after["blocks"]) < len(before["blocks"])
         run(router, convs)
-        wait_until(lambda: index_matches(router, [pair.prefill, second]))
+        wait_for(lambda: index_matches(router, [pair.prefill, second]), 20)
     finally:
         assert router.stop() == 0

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kvcache.radix import ROOT_HASH, RadixCache, block_hash, block_hashes
+from runtime.kvcache.radix import (
+    REMOVED,
+    ROOT_HASH,
+    STORED,
+    RadixCache,
+    block_hash,
+    block_hashes,
+)
 
 PS = 4
 
@@ -42,7 +49,7 @@ def test_locked_paths_survive_eviction_and_lru_leaves_go_first() -> None:
     cache.insert(tokens(5), [5])
     _, node = cache.match(tokens(1, 2))  # touched: the newest
     cache.lock(node)
-    assert cache.evictable_pages == 3 and cache.locked_pages() == 2
+    assert cache.evictable_pages == 3 and cache.cached_pages == 5  # 2 locked
     assert cache.evict(1) == [4]  # the oldest leaf (3, 4 before 5)
     assert cache.evict(10) == [3, 5]  # 3 became a leaf; the locked path stays
     assert cache.match(tokens(1, 2))[0] == [1, 2] and cache.evictable_pages == 0
@@ -57,6 +64,17 @@ def test_a_parent_becomes_evictable_once_its_children_are_gone() -> None:
     cache.insert(tokens(1, 2, 3), [1, 2, 3])
     assert cache.evict(3) == [3, 2, 1]
     assert cache.stats.evicted_tokens == 3 * PS
+
+
+def test_events_are_kept_only_for_a_follower() -> None:
+    cache = RadixCache(PS)
+    cache.insert(tokens(1), [1])
+    assert cache.events is None and cache.take_events() == []  # the offline engine: none pile up
+    cache.events = []
+    node, _ = cache.insert(tokens(1, 2), [1, 2])
+    cache.evict(1)
+    assert cache.take_events() == [[STORED, node.hash], [REMOVED, node.hash]]
+    assert cache.take_events() == []
 
 
 def test_block_hashes_chain_over_the_prefix_and_match_the_nodes() -> None:

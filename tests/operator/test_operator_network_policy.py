@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from baton_operator.builders import build_children, build_deployment
+from baton_operator.builders import build_children, build_deployment, optional_children
 from baton_operator.spec import ROLES, InferenceService, parse_service
 
 UCX = range(20000, 20016)
@@ -156,11 +156,12 @@ def test_each_pod_accepts_exactly_its_service_peers_on_exactly_its_ports(
         assert selected == {f"{policy['metadata']['namespace']}/{policy['metadata']['name']}"}
 
 
-def test_a_disabled_fence_renders_no_policy_and_lets_everything_in() -> None:
+def test_a_disabled_fence_renders_no_policy_and_deletes_the_old_ones() -> None:
     svc = service("llm", "serving", networkPolicy={"enabled": False})
     assert not [c for c in build_children(svc) if c["kind"] == "NetworkPolicy"]
-    pods = [*pods_of(svc), Pod("serving/stranger", "serving", ())]
-    assert allowed([], pods) == set()  # no policy isolates anything: the evaluator agrees
+    # ...and the ones an earlier spec made are optional children: the operator deletes them
+    made = {("networking.k8s.io/v1", "NetworkPolicy", f"llm-{role}") for role in ROLES}
+    assert made <= set(optional_children(svc))
 
 
 def test_the_evaluator_isolates_and_unions() -> None:

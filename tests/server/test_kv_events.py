@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import pytest
 
 from runtime.kvcache.radix import REMOVED, STORED, block_hashes
 from runtime.server.kv_events import KVEventLog
+from tests.router.conftest import wait_for
 from tests.server.server_process import ServerProcess
 from tests.server.test_concurrency import _wait_idle
 
@@ -29,22 +31,24 @@ class Follower:
         self.gaps = 0
         self.status = 0
         self.ended = threading.Event()
-        self._stop = False
+        self._client = httpx.Client(timeout=30)
+        self.hung_up = False
         self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
         self._thread.start()
 
     def _read(self, url: str) -> None:
         try:
             self._follow(url)
+        except (httpx.HTTPError, OSError, ValueError):
+            if not self.hung_up:  # the read our own hang-up broke off is no failure
+                raise
         finally:
             self.ended.set()
 
     def _follow(self, url: str) -> None:
-        with httpx.stream("GET", f"{url}/kv_events", timeout=30) as resp:
+        with self._client.stream("GET", f"{url}/kv_events") as resp:
             self.status = resp.status_code
             for line in resp.iter_lines():
-                if self._stop:
-                    break
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])
@@ -61,24 +65,38 @@ class Follower:
                     self.blocks -= set(event["blocks"])
 
     def wait_for(self, check: Any, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while not check() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert check(), f"follower (HTTP {self.status}): {self.blocks}"
+        wait_for(check, timeout, f"the follower (HTTP {self.status}, blocks {self.blocks})")
 
     def stop(self) -> None:
-        self._stop = True
+        """Hang up (closing the client ends the read the thread is blocked in)."""
+        self.hung_up = True
+        self._client.close()
+        self._thread.join(10)
 
 
 def cached(client: httpx.Client) -> set[int]:
     return set(client.get("/debug/prefix_cache").json()["block_hashes"])
 
 
+@pytest.fixture
+def follow(server: ServerProcess) -> Iterator[Callable[[], Follower]]:
+    """Followers of the server's /kv_events, hung up at the end whatever happened."""
+    started: list[Follower] = []
+
+    def start() -> Follower:
+        started.append(Follower(server.url))
+        return started[-1]
+
+    yield start
+    for follower in started:
+        follower.stop()
+
+
 def test_a_follower_tracks_the_cache_through_requests_and_a_flush(
-        server: ServerProcess, client: httpx.Client) -> None:
+        client: httpx.Client, follow: Callable[[], Follower]) -> None:
     _wait_idle(client)
     client.post("/flush_cache")
-    follower = Follower(server.url)
+    follower = follow()
     follower.wait_for(lambda: follower.events)
     snapshot = follower.events[0]
     assert snapshot["type"] == "snapshot" and snapshot["page_size"] == PAGE
@@ -89,7 +107,7 @@ def test_a_follower_tracks_the_cache_through_requests_and_a_flush(
     computed = (ids + out["output_ids"])[:-1]
     want = set(block_hashes(computed, PAGE))
     follower.wait_for(lambda: follower.blocks == want)
-    late = Follower(server.url)  # joins now: its snapshot is the same truth
+    late = follow()  # joins now: its snapshot is the same truth
     late.wait_for(lambda: late.blocks == want)
     assert cached(client) == want
     client.post("/flush_cache")
@@ -98,8 +116,6 @@ def test_a_follower_tracks_the_cache_through_requests_and_a_flush(
     assert follower.gaps == 0 and late.gaps == 0
     kinds = [e["type"] for e in follower.events]
     assert kinds[0] == "snapshot" and "stored" in kinds and kinds[-1] == "removed"
-    follower.stop()
-    late.stop()
 
 
 def test_the_log_numbers_every_change_and_cuts_off_a_stalled_subscriber() -> None:
