@@ -33,11 +33,12 @@ from runtime.router.discovery import (
     run_discovery,
 )
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
-from runtime.router.exchange import forward
+from runtime.router.exchange import Exchange
 from runtime.router.health import HealthChecker
 from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
-from runtime.router.policy import build_policy, least_loaded
+from runtime.router.pairs import PairTable
+from runtime.router.policy import Allowed, build_policy, least_loaded, same_kv
 from runtime.router.proxy import Proxy
 from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request, prompt_ids
 from runtime.router.tokenizer import RouterTokenizer
@@ -55,6 +56,9 @@ class Router:
         self.workers = Workers()
         self.metrics = RouterMetrics()
         self.index = KVIndex()  # cache_aware: what each prefill's prefix cache holds
+        self.pairs = PairTable(config.pair_failures, config.pair_quarantine_s,
+                               config.pair_max_quarantine_s)
+        self.exchanges: dict[str, Exchange] = {}  # in flight, by the rid the client knows
         self.policy = build_policy(config.policy, config, self.index)
         self.tokenizer = RouterTokenizer(config.tokenizer)
         self.followers: dict[str, asyncio.Task[None]] = {}  # prefill URL -> its KV events
@@ -97,6 +101,7 @@ class Router:
     async def _membership_changed(self, joined: list[Worker], left: list[Worker]) -> None:
         for worker in left:
             self.metrics.forget_worker(worker.role, worker.url)
+            self.pairs.forget(worker)
             follower = self.followers.pop(worker.url, None)
             if follower is not None:
                 follower.cancel()  # and its view goes with it
@@ -108,32 +113,59 @@ class Router:
                         follow(self.client, self.index, worker.url))
         await self.health.check(joined)  # newcomers serve as soon as they are ready
 
-    def pick(self, req: RoutedRequest) -> tuple[Worker, Worker]:
+    def route(self, req: RoutedRequest, avoid_workers: set[Worker] | None = None,
+              avoid_pairs: set[tuple[Worker, Worker]] | None = None,
+              ) -> tuple[RoutedRequest, Worker, Worker]:
+        """A pair for `req` by policy, and `req` signed for it. Pairs are taken from the first
+        of these that has one: those neither quarantined nor avoided (by a retry), those not
+        quarantined, any that can exchange KV (a quarantine steers requests to a pair's other
+        partners; it never refuses a request that only that pair can take)."""
         prefill, decode = self.workers.pairable()
         if not (prefill and decode):
             raise unavailable(self.workers.unready_reason() or "no ready pair of workers")
+        avoided, pairs = avoid_workers or set(), avoid_pairs or set()
+
+        def healthy(p: Worker, d: Worker) -> bool:
+            return same_kv(p, d) and self.pairs.usable(p, d)
+
+        def fresh(p: Worker, d: Worker) -> bool:
+            return healthy(p, d) and not ({p, d} & avoided) and (p, d) not in pairs
+
+        allowed: Allowed = next((rule for rule in (fresh, healthy)
+                                 if any(rule(p, d) for p in prefill for d in decode)), same_kv)
         ids = prompt_ids(req.parsed, self.tokenizer.get()) if self.policy.wants_ids else None
-        return self.policy.pick(prefill, decode, ids)
+        p, d = self.policy.pick(prefill, decode, ids, allowed)
+        log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
+        return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
             req = parse_request(endpoint, await request.body(),
                                 request.headers.get("content-type"))
-            prefill, decode = self.pick(req)
+            if req.rid in self.exchanges:  # the original keeps running, untouched
+                raise RouterError(409, f"request id {req.rid!r} is already running",
+                                  code="rid_in_use", param="rid")
+            req, prefill, decode = self.route(req)
         except RouterError as e:
             self.metrics.on_request(endpoint, e.status)
             return e.response()
         except ClientDisconnect:
             self.metrics.on_request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        log.debug("%s %s -> prefill %s, decode %s", endpoint, req.rid, prefill.url, decode.url)
-        req = req.signed(self.key, prefill, decode, self.config.ticket_ttl_s)
-        return await forward(self.proxy, request, req, prefill, decode)
+        exchange = Exchange(self.proxy, self.pairs, self.route, req, prefill, decode)
+        self.exchanges[req.rid] = exchange
+        exchange.on_close = lambda: self.exchanges.__delitem__(req.rid)
+        return await exchange.respond(request)
 
     async def abort(self, request: Request) -> JSONResponse:
-        """`POST /abort {"rid"}` goes to every known worker (a rid lives on one pair; the
-        others answer that they do not know it)."""
+        """`POST /abort {"rid"}`: a request of this router's is aborted on its pair (under the
+        rid its current try has there); any other rid goes to every known worker (a rid lives
+        on one pair; the others answer that they do not know it)."""
         rid = parse_abort(await request.body(), request.headers.get("content-type"))
+        exchange = self.exchanges.get(rid)
+        if exchange is not None:
+            exchange.cancel()
+            return JSONResponse({"rid": rid, "sent_to": 2})
         targets = self.workers.all()
         for worker in targets:
             self.proxy.abort(worker, rid)
@@ -212,6 +244,7 @@ def _add_routes(app: FastAPI, router: Router) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        router.metrics.set_pairs(router.pairs.states())
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     @app.get("/v1/models")
@@ -221,6 +254,11 @@ def _add_routes(app: FastAPI, router: Router) -> None:
     @app.post("/abort")
     async def abort(request: Request) -> JSONResponse:
         return await router.abort(request)
+
+    @app.get("/debug/pairs", include_in_schema=False)
+    async def pairs() -> dict[str, Any]:
+        """Health per (prefill, decode) pair: state, counts, quarantine, latency."""
+        return {"pairs": router.pairs.view()}
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index() -> dict[str, Any]:

@@ -80,6 +80,20 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
     _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
              "on SIGTERM, requests in flight get this long to finish")
+    p.add_argument("--max-retries", type=_count, default=DEFAULT.max_retries,
+                   help="a request that fails before anything reached the client (a worker "
+                   "unreachable, a 5xx, a failed KV handoff) is tried again on another pair this "
+                   f"many times (default: {DEFAULT.max_retries})")
+    _seconds(p, "--retry-backoff-s", DEFAULT.retry_backoff_s,
+             "the wait before the first retry, doubled for each next one")
+    p.add_argument("--pair-failures", type=_positive_int, default=DEFAULT.pair_failures,
+                   help="failed KV handoffs in a row that quarantine a (prefill, decode) pair "
+                   f"(default: {DEFAULT.pair_failures})")
+    _seconds(p, "--pair-quarantine-s", DEFAULT.pair_quarantine_s,
+             "a quarantined pair's first wait before a request probes it; doubled when the "
+             "probe fails")
+    _seconds(p, "--pair-max-quarantine-s", DEFAULT.pair_max_quarantine_s,
+             "the longest quarantine")
     p.add_argument("--cache-load-tokens", type=_positive_int, default=DEFAULT.cache_load_tokens,
                    help="cache_aware: a request in flight on a prefill counts as this many "
                    f"prompt tokens to compute (default: {DEFAULT.cache_load_tokens})")
@@ -134,6 +148,9 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
+        max_retries=ns.max_retries, retry_backoff_s=ns.retry_backoff_s,
+        pair_failures=ns.pair_failures, pair_quarantine_s=ns.pair_quarantine_s,
+        pair_max_quarantine_s=ns.pair_max_quarantine_s,
         cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,
         cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
         api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
@@ -217,6 +234,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
     return value
 
 

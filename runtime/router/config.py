@@ -60,6 +60,11 @@ class RouterConfig:
     health_failures: int = 2  # unanswered polls in a row that take a ready worker out
     dns_refresh_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
+    max_retries: int = 2  # tries on other pairs for a request that failed before its answer
+    retry_backoff_s: float = 0.05  # before the first retry; doubled for each next one
+    pair_failures: int = 2  # failed KV handoffs in a row that quarantine a (prefill, decode) pair
+    pair_quarantine_s: float = 5.0  # the first quarantine; doubled at each failed probe
+    pair_max_quarantine_s: float = 120.0
     cache_load_tokens: int = 256  # cache_aware: what one request in flight costs, in tokens
     tokenizer: str | None = None  # HF folder or builtin:NAME: how cache_aware reads prompts
     cluster_key_file: str | None = None  # else $BATON_CLUSTER_KEY: room tickets are signed

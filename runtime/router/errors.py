@@ -59,5 +59,12 @@ class UpstreamFailure(Exception):
                               f"{side}_error")
         return cls(side, "status", status, body)
 
+    @property
+    def code(self) -> str | None:
+        """The error's `code` (a worker's own, or the router's `{side}_{reason}`)."""
+        error = self.body.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        return code if isinstance(code, str) else None
+
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, self.status)

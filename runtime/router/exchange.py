@@ -1,21 +1,28 @@
-"""One request forwarded to its (prefill P, decode D) pair (docs/disaggregation.md "Wire contract").
+"""One client request, from its arrival until the client has D's last byte
+(docs/router.md "Failures"; the wire contract: docs/disaggregation.md).
 
-Both calls start at once. The client gets D's response: SSE relayed chunk by chunk as D sends
-it, JSON as is, with D's status. The failure rules:
-- P fails (non-2xx, or no answer): abort D; the client gets P's error, or, once D's stream has
-  started, an in-band `data: {"error": ...}` event and `data: [DONE]`.
-- D fails (non-2xx, no answer, or its stream breaks off before `data: [DONE]`): abort P; the
-  client gets D's error (mid-stream: in-band, as above). A side that timed out is aborted too.
-- The client leaves: abort both.
-Every call has a timeout: `--request-timeout-s` bounds how long a worker may stay silent.
+The request is tried on a (prefill, decode) pair (`attempt.py`). Until anything reached the
+client, a failure is invisible to it: the attempt is aborted on both sides and the request goes
+to another pair with fresh rooms and rid, after a short backoff, at most `--max-retries` times
+and while it is younger than `--request-timeout-s` (a worker's 4xx is the client's and is passed
+on). The pair that failed is avoided on the retries: the side to blame, or, for a failed KV
+handoff, the pair, which the pair table also counts (`pairs.py`).
+
+Once D answered, the client gets D's response: JSON as is, SSE relayed event by event as D sends
+them, with D's status. A stream that breaks off before `data: [DONE]` ends in-band with
+`data: {"error": ...}` and `data: [DONE]`. The request is delivered once the client has the
+[DONE] event (or the JSON body): a client that hangs up after that is no 499 and aborts
+nothing. A client that leaves earlier aborts both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -23,144 +30,170 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtime.router.errors import UpstreamFailure
+from runtime.router.attempt import Attempt, blames_link, retryable
+from runtime.router.errors import RouterError, UpstreamFailure
+from runtime.router.pairs import PairTable
 from runtime.router.proxy import Proxy
 from runtime.router.request import RoutedRequest
 from runtime.router.workers import Worker
 from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 
+log = logging.getLogger("baton.router")
+Route = Callable[[RoutedRequest, set[Worker], set[tuple[Worker, Worker]]],
+                 tuple[RoutedRequest, Worker, Worker]]
+DONE_EVENT = DONE_BYTES.strip()
 T = TypeVar("T")
 
 
-async def forward(proxy: Proxy, request: Request, req: RoutedRequest, prefill: Worker,
-                  decode: Worker) -> Response:
-    """D's response to `req` for the client of `request` (see the module's failure rules)."""
-    disconnect = proxy.spawn(_wait_disconnect(request))
-    try:
-        return await Exchange(proxy, req, prefill, decode).respond(disconnect)
-    finally:
-        disconnect.cancel()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 class Exchange:
-    """One request's calls to P and D, from the start until the client has D's last byte."""
+    """One client request and its attempts."""
 
-    def __init__(self, proxy: Proxy, req: RoutedRequest, prefill: Worker, decode: Worker):
-        self.proxy, self.req, self.p, self.d = proxy, req, prefill, decode
+    def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
+                 prefill: Worker, decode: Worker):
+        self.proxy, self.pairs, self.route = proxy, pairs, route
+        self.req = req  # the first try's: its endpoint and the client's rid
         self.started = time.monotonic()
         self.status = CLIENT_GONE  # what the client got, for the metrics
-        self.upstream: httpx.Response | None = None
         self.delivered = False  # the client has D's whole response: nothing left to abort
         self.recorded = False
-        # counted now, not when the tasks start, so the next pick already sees the load
-        proxy.enter(prefill)
-        proxy.enter(decode)
-        self.watching_prefill = True
-        self.prefill_task = proxy.spawn(self._call_prefill())
-        self.prefill_task.add_done_callback(lambda _: proxy.leave(prefill))
-        self.decode_task = proxy.spawn(self._open_decode())
+        self.retries = 0
+        self.cancelled = False  # by `POST /abort`: no more tries
+        self.on_close: Callable[[], None] = lambda: None
+        self.avoid_workers: set[Worker] = set()
+        self.avoid_pairs: set[tuple[Worker, Worker]] = set()
+        self.attempt = self._start(req, prefill, decode)
 
-    async def respond(self, disconnect: asyncio.Task[None]) -> Response:
+    async def respond(self, request: Request) -> Response:
+        disconnect = self.proxy.spawn(_wait_disconnect(request))
         relaying = False
         try:
-            upstream = await self._until(self.decode_task, disconnect)
+            upstream, content = await self._answer(disconnect)
             self.status = upstream.status_code
             media_type = upstream.headers.get("content-type", "application/json")
-            if media_type.startswith("text/event-stream"):
+            if content is None:
                 relaying = True
                 return RelayResponse(self, upstream.status_code, media_type)
-            content = await self._until(self.proxy.spawn(self._read(upstream)), disconnect)
+            self.delivered = True
             return Response(content, upstream.status_code, media_type=media_type)
-        except UpstreamFailure as f:
+        except (UpstreamFailure, RouterError) as f:
             self.status = f.status
-            self._abort_after(f)
             return f.response()
         except ClientGone:
             self.client_left()
             return Response(status_code=CLIENT_GONE)
         except asyncio.CancelledError:  # the server is shutting down: the request is abandoned
-            self._abort(self.p, self.d)
+            self.attempt.abort()
             raise
         finally:
+            disconnect.cancel()
             if not relaying:
                 self.close()
 
+    def cancel(self) -> None:
+        """`POST /abort` of the client's rid: the current try is aborted on its pair (a stream
+        ends as the decode ends it, with finish reason "abort"), and none follows."""
+        self.cancelled = True
+        self.attempt.cancel()
+
     async def relay(self) -> AsyncIterator[bytes]:
-        """D's stream as it comes; a failure on either side ends it in-band."""
-        assert self.upstream is not None
+        """D's stream as it comes, event by event, until [DONE]; a failure ends it in-band."""
         try:
-            async for chunk in self._chunks(self.upstream):
-                yield chunk
+            async for event in self._events():
+                if event == DONE_EVENT:
+                    self.delivered = True
+                    yield DONE_BYTES
+                    return
+                yield self._for_client(event) + b"\n\n"
+            raise self.proxy.count(UpstreamFailure.truncated("decode", self.attempt.d.url))
         except UpstreamFailure as f:
-            self._abort_after(f)
+            self.attempt.abort(f)
             yield f"data: {json.dumps(f.body, ensure_ascii=False)}\n\n".encode()
+            self.delivered = True  # the error is the response
             yield DONE_BYTES
-        self.delivered = True
 
     def client_left(self) -> None:
         self.status = CLIENT_GONE
-        self._abort(self.p, self.d)
+        self.attempt.abort()
 
     def close(self) -> None:
-        """Release D (its connection and its in-flight count) and record the request."""
-        if self.upstream is not None:
-            self.proxy.spawn(self.upstream.aclose())
-            self.upstream = None
-        if not self.decode_task.done():
-            self.decode_task.cancel()
+        """Release D and record the request, once."""
+        self.attempt.release()
         if not self.recorded:
             self.recorded = True
-            self.proxy.leave(self.d)
+            self.on_close()
             self.proxy.metrics.on_request(self.req.endpoint, self.status)
             self.proxy.metrics.on_latency(self.req.endpoint, time.monotonic() - self.started)
 
-    def _abort_after(self, failure: UpstreamFailure) -> None:
-        """Abort the other side; a side that timed out is abandoned, so it is aborted too."""
-        if failure.reason == "timeout":
-            self._abort(self.p, self.d)
+    def _start(self, req: RoutedRequest, prefill: Worker, decode: Worker) -> Attempt:
+        self.pairs.sent(prefill, decode)
+        return Attempt(self.proxy, req, prefill, decode)
+
+    async def _answer(self, disconnect: asyncio.Task[None]) -> tuple[httpx.Response, bytes | None]:
+        """D's answer, from the first attempt that gets one (and, for JSON, its body: None
+        for a stream); the last failure when no attempt is left."""
+        while True:
+            attempt = self.attempt
+            try:
+                upstream = await attempt.answer(disconnect)
+                self.pairs.succeeded(attempt.p, attempt.d, time.monotonic() - attempt.started)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    return upstream, None
+                content = await _until(self.proxy.spawn(attempt.read(upstream)), disconnect)
+                return upstream, self._for_client(content)
+            except UpstreamFailure as f:
+                attempt.abort(f)
+                self._blame(attempt, f)
+                if not self._may_retry(f):
+                    raise
+                await _until(self.proxy.spawn(self._backoff()), disconnect)
+                self._retry(f)
+
+    def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
+        if blames_link(failure):
+            self.pairs.failed(attempt.p, attempt.d, str(failure.body.get("error", failure)))
+            self.avoid_pairs.add((attempt.p, attempt.d))
         else:
-            self._abort(self.d if failure.side == "prefill" else self.p)
+            self.pairs.released(attempt.p, attempt.d)
+            self.avoid_workers.add(attempt.p if failure.side == "prefill" else attempt.d)
 
-    def _abort(self, *workers: Worker) -> None:
-        for worker in workers:
-            self.proxy.abort(worker, self.req.rid)
-        if self.p in workers and not self.prefill_task.done():
-            self.prefill_task.cancel()
+    def _may_retry(self, failure: UpstreamFailure) -> bool:
+        config = self.proxy.config
+        return (retryable(failure) and not self.cancelled and self.retries < config.max_retries
+                and time.monotonic() - self.started < config.request_timeout_s)
 
-    async def _call_prefill(self) -> None:
-        body = self.req.for_prefill(self.p)
+    async def _backoff(self) -> None:
+        base = self.proxy.config.retry_backoff_s * 2 ** self.retries
+        await asyncio.sleep(base * random.uniform(0.5, 1.0))
+
+    def _retry(self, failure: UpstreamFailure) -> None:
+        """The next attempt, on another pair if there is one (raises the failure if no pair
+        is left at all)."""
+        self.retries += 1
         try:
-            r = await self.proxy.client.post(f"{self.p.url}{self.req.endpoint}", json=body,
-                                             timeout=self.proxy.timeout)
-        except httpx.HTTPError as e:
-            raise self.proxy.failed(self.p, e) from None
-        if not r.is_success:
-            raise self.proxy.count(UpstreamFailure.answered("prefill", r.status_code, r.content))
+            req, prefill, decode = self.route(self.req.retried(self.retries), self.avoid_workers,
+                                              self.avoid_pairs)
+        except RouterError:
+            raise failure from None
+        log.info("retrying %s (try %d) on prefill %s, decode %s after %s %s: %s",
+                 self.req.rid, self.retries + 1, prefill.url, decode.url, failure.side,
+                 failure.reason, failure.code)
+        self.proxy.metrics.on_retry(failure.side, failure.reason)
+        self.attempt = self._start(req, prefill, decode)
 
-    async def _open_decode(self) -> httpx.Response:
-        """D's response with its headers in and its body still to read (a 2xx only)."""
-        client = self.proxy.client
-        request = client.build_request("POST", f"{self.d.url}{self.req.endpoint}",
-                                       json=self.req.for_decode(self.p), timeout=self.proxy.timeout)
-        try:
-            self.upstream = r = await client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise self.proxy.failed(self.d, e) from None
-        if r.is_success:
-            return r
-        content = await self._read(r)
-        raise self.proxy.count(UpstreamFailure.answered("decode", r.status_code, content))
-
-    async def _read(self, upstream: httpx.Response) -> bytes:
-        try:
-            return await upstream.aread()
-        except httpx.HTTPError as e:
-            raise self.proxy.failed(self.d, e) from None
+    async def _events(self) -> AsyncIterator[bytes]:
+        """The SSE events of D's stream, each without its blank-line terminator."""
+        upstream = self.attempt.upstream
+        assert upstream is not None
+        chunks, buffer = upstream.aiter_bytes(), b""
+        while True:
+            chunk = await _until(self.proxy.spawn(self._next_chunk(chunks)), None)
+            if chunk is None:
+                return
+            buffer += chunk.replace(b"\r\n", b"\n")
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                if event.strip():
+                    yield event.strip()
 
     async def _next_chunk(self, chunks: AsyncIterator[bytes]) -> bytes | None:
         try:
@@ -168,49 +201,40 @@ class Exchange:
         except StopAsyncIteration:
             return None
         except httpx.HTTPError as e:
-            raise self.proxy.failed(self.d, e) from None
+            raise self.proxy.failed(self.attempt.d, e) from None
 
-    async def _chunks(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        chunks, tail = upstream.aiter_bytes(), b""
-        while True:
-            chunk = await self._until(self.proxy.spawn(self._next_chunk(chunks)), None)
-            if chunk is None:
-                break
-            tail = (tail + chunk)[-64:]
-            yield chunk
-        if DONE_BYTES.strip() not in tail:
-            raise self.proxy.count(UpstreamFailure.truncated("decode", self.d.url))
-
-    async def _until(self, work: asyncio.Task[T], disconnect: asyncio.Task[None] | None) -> T:
-        """`work`'s result, unless the client leaves (ClientGone) or P fails first (its
-        UpstreamFailure). A result that is ready wins over a P failure seen at the same time."""
-        watch: set[asyncio.Task[Any]] = {work}
-        if disconnect is not None:
-            watch.add(disconnect)
+    def _for_client(self, payload: bytes) -> bytes:
+        """A retry's rid carries a suffix; the client sees its own rid in `meta_info.id`."""
+        client_rid = self.req.client_rid
+        if client_rid is None or self.attempt.req.rid == client_rid:
+            return payload
+        event = payload.startswith(b"data: ")
         try:
-            while True:
-                if self.watching_prefill:
-                    watch.add(self.prefill_task)
-                done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-                if disconnect is not None and disconnect in done:
-                    raise ClientGone()
-                if work in done and work.exception() is None:
-                    return work.result()
-                if self.prefill_task in done:
-                    watch.discard(self.prefill_task)
-                    self._check_prefill()
-                if work in done:
-                    return work.result()  # raises D's failure
-        finally:
-            work.cancel()  # a no-op once it is done
+            body = json.loads(payload[6:] if event else payload)
+            body["meta_info"]["id"] = client_rid
+        except (ValueError, KeyError, TypeError):
+            return payload
+        out = json.dumps(body, ensure_ascii=False).encode()
+        return b"data: " + out if event else out
 
-    def _check_prefill(self) -> None:
-        """Raise P's failure, once."""
-        self.watching_prefill = False
-        if not self.prefill_task.cancelled():
-            exc = self.prefill_task.exception()
-            if exc is not None:
-                raise exc
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until(work: asyncio.Task[T], disconnect: asyncio.Task[None] | None) -> T:
+    """`work`'s result, unless the client leaves first (ClientGone)."""
+    watch: set[asyncio.Task[Any]] = {work}
+    if disconnect is not None:
+        watch.add(disconnect)
+    try:
+        done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone()
+    finally:
+        work.cancel()  # a no-op once it is done
 
 
 class RelayResponse(StreamingResponse):

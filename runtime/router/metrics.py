@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -44,6 +45,23 @@ class RouterMetrics:
             "baton_router_upstream_failures",
             "Failed calls to workers by side (prefill, decode) and reason", ["side", "reason"],
             registry=r)
+
+        self.retries = Counter(
+            "baton_router_retries",
+            "Requests tried again on another pair, by the failed side and reason",
+            ["side", "reason"], registry=r)
+        self.pair_state = Gauge(
+            "baton_router_pair_state",
+            "State of each (prefill, decode) pair that has seen a request: 0 healthy, "
+            "1 probing, 2 quarantined", ["prefill", "decode"], registry=r)
+
+    def on_retry(self, side: str, reason: str) -> None:
+        self.retries.labels(side=side, reason=reason).inc()
+
+    def set_pairs(self, states: Mapping[tuple[str, str], int]) -> None:
+        self.pair_state.clear()
+        for (prefill, decode), state in states.items():
+            self.pair_state.labels(prefill=prefill, decode=decode).set(int(state))
 
     def on_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

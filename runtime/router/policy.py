@@ -2,28 +2,37 @@
 
 A policy sees only ready workers that have a partner (`Workers.pairable`, never an empty list)
 and, when it `wants_ids`, the request's prompt token ids (None when the router cannot tell them);
-the decode is picked among those whose KV layout and backend match the chosen prefill's. It
-must not block.
+it picks a prefill that has an allowed partner, then a decode among its allowed partners (the
+same KV layout and backend, a pair not quarantined, not one a retry avoids). It must not block.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from runtime.router.config import PolicyName, Role, RouterConfig
 from runtime.router.kv_index import KVIndex
 from runtime.router.workers import Worker
+
+Allowed = Callable[[Worker, Worker], bool]  # may this (prefill, decode) pair take a request?
+
+
+def same_kv(prefill: Worker, decode: Worker) -> bool:
+    return prefill.kv_transfer == decode.kv_transfer
 
 
 class Policy(ABC):
     wants_ids = False  # the router tokenizes the prompt only for a policy that reads it
 
     def pick(
-        self, prefill: Sequence[Worker], decode: Sequence[Worker], ids: list[int] | None = None
+        self, prefill: Sequence[Worker], decode: Sequence[Worker], ids: list[int] | None = None,
+        allowed: Allowed = same_kv,
     ) -> tuple[Worker, Worker]:
-        p = self.pick_prefill(prefill, ids)
-        d = self.pick_decode([w for w in decode if w.kv_transfer == p.kv_transfer])
+        """A prefill that has an allowed partner, then one of its allowed partners (the
+        caller makes sure there is one)."""
+        p = self.pick_prefill([w for w in prefill if any(allowed(w, d) for d in decode)], ids)
+        d = self.pick_decode([w for w in decode if allowed(p, w)])
         p.picks += 1
         d.picks += 1
         return p, d

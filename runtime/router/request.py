@@ -44,10 +44,22 @@ class RoutedRequest:
     body: dict[str, Any]  # the client's body with `rid` and `bootstrap_room` set
     parsed: ClientRequest  # the body as the worker's request model reads it
     ticket: str | None = None  # signed for the pair it goes to (`signed`)
+    client_rid: str | None = None  # the rid the client chose (/generate), which it sees back
 
     @property
     def rid(self) -> str:
+        """The rid the workers know this try by."""
         return str(self.body["rid"])
+
+    def retried(self, attempt: int) -> RoutedRequest:
+        """This request for its `attempt`-th retry: fresh rooms and a fresh rid (the pair that
+        failed may still hold the old ones). A client's own rid gets a suffix, which the
+        exchange takes off again in what the client sees."""
+        rooms = self.body["bootstrap_room"]
+        rid = uuid.uuid4().hex if self.client_rid is None else f"{self.client_rid}.retry{attempt}"
+        body = {**self.body, "rid": rid,
+                "bootstrap_room": new_rooms(len(rooms) if isinstance(rooms, list) else 1)}
+        return replace(self, body=body, ticket=None)
 
     def signed(self, key: ClusterKey, prefill: Worker, decode: Worker, ttl_s: float) -> RoutedRequest:
         """This request with a room ticket for (prefill, decode) (runtime/auth/ticket.py);
@@ -76,10 +88,11 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> Routed
     the routing fields added."""
     body = _json_object(raw, content_type)
     parsed = validate(endpoint, body)
+    client_rid = body.get("rid") if endpoint == GENERATE else None
     body["rid"] = _rid(endpoint, body)
     if body.get("bootstrap_room") is None:  # a room the client chose is kept as is
         body["bootstrap_room"] = new_rooms(choice_count(endpoint, body))
-    return RoutedRequest(endpoint, body, parsed)
+    return RoutedRequest(endpoint, body, parsed, client_rid=client_rid)
 
 
 def parse_abort(raw: bytes, content_type: str | None) -> str:

@@ -9,7 +9,11 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `chunks`: stream this many content events (default 3);
 - `gated`: before each event after the first, wait until the test calls `release()`;
 - `die_after`: drop the connection after this many events (no [DONE]);
-- `delay_s`: wait this long before answering.
+- `delay_s`: wait this long before answering;
+- `linger_s`: keep the stream open this long after `data: [DONE]`.
+A worker's own `steer` (set by the test) is applied over the body's, to make one worker of a
+role fail; a decode worker fails with 502 `kv_transfer_failed` every request whose prefill has
+a bootstrap port in `broken_links` (a P<->D link that does not work).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tests.router.server_thread import ServerThread
 
 HANG_LIMIT_S = 30.0
+TRANSFER_FAILED = "kv_transfer_failed"
 
 
 @dataclass
@@ -46,6 +51,8 @@ class FakeWorker:
         self.received: list[Received] = []
         self.aborts: list[str] = []
         self.sent_at: list[float] = []  # time.monotonic() of every streamed event
+        self.steer: dict[str, Any] = {}  # over every request's own steering
+        self.broken_links: set[int] = set()  # decode: bootstrap ports of prefills it can't reach
         self._gate = threading.Semaphore(0)
         self.server = ServerThread(self._app(), host, port)
         self.url = self.server.url
@@ -115,11 +122,14 @@ class FakeWorker:
         async def route(request: Request) -> Response:
             body = await request.json()
             self.received.append(Received(path, body))
-            steer = body.get("fake", {}).get(self.role, {})
+            steer = {**body.get("fake", {}).get(self.role, {}), **self.steer}
+            if body.get("bootstrap_port") in self.broken_links:
+                steer = {"status": 502, "message": "KV transfer failed", "code": TRANSFER_FAILED}
             await asyncio.sleep(steer.get("delay_s", 0))
             if "status" in steer:
                 error = {"message": steer.get("message", "fake failure"),
-                         "type": "invalid_request_error", "code": "fake", "param": None}
+                         "type": "invalid_request_error", "code": steer.get("code", "fake"),
+                         "param": None}
                 return JSONResponse({"error": error}, steer["status"])
             finish = "length"
             if steer.get("hang"):
@@ -151,6 +161,7 @@ class FakeWorker:
             self.sent_at.append(time.monotonic())
             yield _sse(_chunk(path, body, i, finish if last else None))
         yield "data: [DONE]\n\n"
+        await asyncio.sleep(steer.get("linger_s", 0))
 
     async def _wait_gate(self) -> None:
         deadline = time.monotonic() + HANG_LIMIT_S
