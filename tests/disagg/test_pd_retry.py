@@ -24,7 +24,7 @@ from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_port
 
 SLOW = ("--plugin", "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike"]
 
 
 @dataclass

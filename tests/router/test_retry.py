@@ -5,6 +5,7 @@ request per client rid, and a status that matches what the client got."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -110,7 +111,7 @@ def test_no_retry_with_max_retries_zero(workers: Any, router: Any) -> None:
 
 def test_a_stream_that_breaks_after_its_first_event_is_not_retried(pd: Any) -> None:
     """After the first byte the client has D's tokens: a retry would repeat them."""
-    router, p, d = pd
+    router, _, d = pd
     body = {**BODIES["/v1/completions"], "stream": True,
             "fake": {"decode": {"chunks": 5, "die_after": 2}}}
     status, got = sse(router.client, "/v1/completions", body)
@@ -143,8 +144,6 @@ def test_router_abort_reaches_the_current_try(workers: Any, router: Any) -> None
     ps[0].steer = {"status": 500}
     body = {**GEN, "rid": "to-abort", "fake": {"decode": {"hang": True}}}
     with httpx.Client(base_url=r.url, timeout=10, trust_env=False) as client:
-        import threading
-
         answers: list[httpx.Response] = []
         t = threading.Thread(target=lambda: answers.append(client.post("/generate", json=body)))
         t.start()
