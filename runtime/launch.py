@@ -5,8 +5,12 @@
 
 Every worker runs `baton serve --role prefill|decode` on a free port (prefill also on a free
 bootstrap port), the router `baton router` on --port. It waits for every `/ready` and shows
-progress, prints the URL and a curl example, and on Ctrl-C / SIGTERM stops every child (each
-child also dies with this process if it is killed: parent-death signal). Logs go to --log-dir.
+progress, prints the URL and a curl example. A child that dies while serving is started again
+on its ports after a backoff (1 s, doubling to 30 s; reset once it has served a minute), and
+the router finds it again; the rest keep serving. Ctrl-C / SIGTERM stops the router first, then
+the workers, each with a SIGTERM to the process itself (it drains, then ends its scheduler),
+and only what is left after the grace period is killed, process group and all. Each child also
+dies with this process if it is killed (parent-death signal). Logs go to --log-dir.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from runtime.router.config import POLICIES
 
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
+RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait before a restart, and the longest
+HEALTHY_AFTER_S = 60.0  # a child that served this long starts its backoff afresh
 
 
 @dataclass
@@ -50,9 +56,15 @@ class Child:
     ready_after: float | None = None
     not_ready: str = "no answer yet"  # what its last GET /ready said
     extra: dict[str, int] = field(default_factory=dict)
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0  # the wait before its next restart (0: none yet)
+    restart_at: float | None = None  # when it is due to start again after dying
 
     def start(self, env: dict[str, str]) -> None:
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        if self.log is None:
+            self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**env, **self.env},
                                      start_new_session=True, preexec_fn=die_with_parent)
@@ -138,6 +150,7 @@ class Deployment:
     def __init__(self, children: list[Child]) -> None:
         self.children = children
         self.stopping = False
+        self.env: dict[str, str] = {}
 
     def start(self, key: str | None) -> None:
         """Start every child, with cluster key `key` (None: none, as a bare `baton serve`)."""
@@ -145,6 +158,7 @@ class Deployment:
         env.pop(KEY_ENV, None)
         if key is not None:
             env[KEY_ENV] = key
+        self.env = env
         for child in self.children:
             child.start(env)
 
@@ -184,37 +198,69 @@ class Deployment:
                   f"({waited:.1f} s)", flush=True)
 
     def watch(self) -> int:
-        """Serve until a signal or until a child dies; returns the exit code."""
+        """Serve until a signal, starting again each child that dies; returns the exit code."""
         while not self.stopping:
             for child in self.children:
-                code = child.exited()
-                if code is not None:
-                    print(f"baton up: {child.name} exited with code {code}; stopping. Its log "
-                          f"ends:\n{child.tail()}", file=sys.stderr, flush=True)
-                    return 1
+                self._tend(child, time.monotonic())
             time.sleep(0.5)
         return 0
 
+    def _tend(self, child: Child, now: float) -> None:
+        """A child that exited is due to start again after its backoff, on its own ports."""
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                print(f"baton up: starting {child.name} again (restart {child.restarts})",
+                      flush=True)
+                child.start(self.env)
+            return
+        code = child.exited()
+        if code is None:
+            return
+        _signal(child, signal.SIGKILL)  # what it left behind (its scheduler) goes too
+        first, longest = RESTART_BACKOFF_S
+        served = now - child.started_at
+        child.backoff_s = first if served >= HEALTHY_AFTER_S or not child.backoff_s else min(
+            longest, 2 * child.backoff_s)
+        child.restart_at = now + child.backoff_s
+        print(f"baton up: {child.name} exited with code {code} after {served:.0f} s; starting it "
+              f"again in {child.backoff_s:.0f} s (the others keep serving). Its log ends:\n"
+              f"{child.tail()}", file=sys.stderr, flush=True)
+
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM every child's process group (router first), then SIGKILL what is left."""
-        for child in reversed(self.children):
-            _signal(child, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for child in reversed(self.children):
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(child, signal.SIGKILL)
-                child.proc.wait(5)
+        """The router first, then the workers: SIGTERM to each process itself (it drains and
+        ends its own children), then, after `grace`, SIGKILL to what is left of its group."""
+        router, workers = self.children[-1:], self.children[:-1]
+        for group in (router, workers):
+            for child in group:
+                if child.proc is not None and child.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for child in group:
+                _wait_or_kill(child, deadline)
+        for child in self.children:
             if child.log is not None:
                 child.log.close()
 
 
+def _wait_or_kill(child: Child, deadline: float) -> None:
+    if child.proc is None:
+        return
+    try:
+        child.proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print(f"baton up: {child.name} still running after the grace period; killing it",
+              file=sys.stderr, flush=True)
+    _signal(child, signal.SIGKILL)  # its group: a scheduler its server left behind too
+    child.proc.wait(5)
+
+
 def _signal(child: Child, sig: int) -> None:
-    if child.proc is not None and child.proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
+    """`sig` to the child's whole process group (the child may have exited already)."""
+    if child.proc is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.proc.pid, sig)
 
 

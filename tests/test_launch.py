@@ -6,10 +6,14 @@ process behind: on SIGTERM (exit 0) and when it is SIGKILLed itself (parent-deat
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -83,3 +87,80 @@ def test_killed_baton_up_takes_its_children_along(up: Up) -> None:
     while alive(kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(kids), f"left behind after SIGKILL: {alive(kids)}"
+
+
+def _server_pids(up: Up, role: str) -> list[int]:
+    """The `baton serve --role ROLE` processes baton up started (its own children)."""
+    pids = []
+    for pid in descendants(up.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == up.proc.pid and b"serve" in argv and role.encode() in argv:
+            pids.append(pid)
+    return sorted(pids)
+
+
+def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
+        tiny_path: Path, tmp_path: Path) -> None:
+    """kill -9 of a prefill while streams are in flight: baton up keeps running and starts it
+    again on its ports; no stream ends with an error or an abort (the router retries on the
+    other prefill); SIGTERM afterwards still stops everything cleanly."""
+    up = Up(tiny_path, tmp_path, "--kv-transfer", "tcp", "--prefill", "2", "--", "--plugin",
+            "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
+    try:
+        up.wait_up()
+        victim = _server_pids(up, "prefill")[0]
+        words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+        def stream(i: int) -> list[dict[str, Any]]:
+            text = " ".join(words[(i + k * k) % 10] for k in range(150))
+            body = {"model": "x", "prompt": text, "max_tokens": 8, "temperature": 0,
+                    "stream": True}
+            with httpx.Client(timeout=120) as http:
+                model = http.get(f"{up.url}/v1/models").json()["data"][0]["id"]
+                with http.stream("POST", f"{up.url}/v1/completions",
+                                 json={**body, "model": model}) as r:
+                    assert r.status_code == 200
+                    return [json.loads(ln[6:]) for ln in r.iter_lines()
+                            if ln.startswith("data: {")]
+
+        url = re.search(r"prefill-0 ready at (\S+)", up.text()).group(1)  # type: ignore[union-attr]
+        gauge = f'baton_router_worker_in_flight{{role="prefill",worker="{url}"}}'
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream, i) for i in range(6)]
+            deadline = time.monotonic() + 30
+            while f"{gauge} 0.0" in httpx.get(f"{up.url}/metrics").text or \
+                    gauge not in httpx.get(f"{up.url}/metrics").text:
+                assert time.monotonic() < deadline, "prefill-0 never got a request"
+                time.sleep(0.02)
+            os.kill(victim, signal.SIGKILL)  # while it holds a request it has not answered
+            results = [f.result() for f in futures]
+        retries = [ln for ln in httpx.get(f"{up.url}/metrics").text.splitlines()
+                   if ln.startswith("baton_router_retries_total{")]
+        assert retries and float(retries[0].split()[-1]) >= 1, retries
+        for events in results:
+            assert not any("error" in e for e in events), events
+            finish = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+            assert finish[-1] == "length", events
+        deadline = time.monotonic() + 60
+        while "starting prefill-0 again" not in up.text():
+            assert up.proc.poll() is None, up.text()
+            assert time.monotonic() < deadline, up.text()
+            time.sleep(0.2)
+        while httpx.get(f"{up.url}/ready").json().get("ready_workers", {}).get("prefill") != 2:
+            assert time.monotonic() < deadline, up.text()
+            time.sleep(0.2)
+        assert _server_pids(up, "prefill")[0] != victim and len(_server_pids(up, "prefill")) == 2
+        kids = descendants(up.proc.pid)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0, up.text()
+        deadline = time.monotonic() + 10
+        while alive(kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(kids), f"left behind: {alive(kids)}"
+        assert "killing it" not in up.text()  # every child ended on its SIGTERM
+    finally:
+        up.close()
