@@ -43,15 +43,26 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class Resume(_Strict):
+    """A stream the router moves to another pair mid-way (docs/router.md "Migration"): the
+    tokens its client already has, and how many characters of their text it was sent."""
+
+    output_ids: Annotated[list[TokenId], Field(max_length=1 << 20)]
+    text_chars: Annotated[int, Field(ge=0), _INTEGRAL] = 0
+
+
 class Bootstrap(_Strict):
     """What `baton router` adds to a request for a prefill/decode pair (docs/disaggregation.md "Wire contract"):
-    the request id, the prefill's bootstrap address and one room per choice."""
+    the request id, the prefill's bootstrap address and one room per choice; to resume a stream,
+    what it already produced; to follow a stream's tokens, `return_token_ids`."""
 
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     bootstrap_host: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     bootstrap_port: Annotated[int, Field(ge=1, le=65535), _INTEGRAL] | None = None
     bootstrap_room: Room | Annotated[list[Room], Field(min_length=1, max_length=256)] | None = None
     bootstrap_ticket: Annotated[str, Field(max_length=4096)] | None = None  # runtime/auth/ticket.py
+    resume: Resume | None = None  # continue after these output tokens (one choice only)
+    return_token_ids: bool = False  # OpenAI streams: each chunk's choice carries `token_ids`
 
     def rooms(self, role: str, choices: int) -> list[int | None]:
         """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""

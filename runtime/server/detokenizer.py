@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
             self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
         return self._take(len(self.text) - self.holdback)
 
+    def prime(self, ids: list[int], sent_chars: int) -> None:
+        """Take `ids` as already decoded, of whose text the client has the first `sent_chars`
+        characters (a resumed stream): the next delta starts right after them."""
+        self.push(ids)
+        self.emitted = sent_chars
+
     def finish(self, new_ids: list[int], reason: FinishReason | None = None) -> str:
         """The request ended with `new_ids` (and `reason`): return everything not yet sent, cut
         before the stop string it matched."""

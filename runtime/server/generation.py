@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.messages import FinishReason, GenerateRequest, ReqOutput
+from runtime.protocol import Resume
 from runtime.server.detokenizer import IncrementalDetokenizer
 from runtime.server.tokenizer_manager import ReqState, RequestTimeout, TokenizerManager
 
@@ -54,7 +55,7 @@ class Delta:
 class Generation:
     def __init__(
         self, tm: TokenizerManager, req: GenerateRequest, index: int, timeout: float,
-        group: str | None = None,
+        group: str | None = None, resume: Resume | None = None,
     ) -> None:
         sp = req.sampling_params
         stop = sp.get("stop") or ()
@@ -62,12 +63,16 @@ class Generation:
         self.rid = req.rid
         self.index = index
         self.timeout = timeout
-        self.prompt_tokens = len(req.input_ids)
         self.detok = IncrementalDetokenizer(
             tm.tokenizer,
             skip_special_tokens=sp.get("skip_special_tokens", True),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
         )
+        # a resumed stream (runtime/server/resume.py): its prompt ends in the resumed tokens
+        self.resumed = 0 if resume is None else len(resume.output_ids)
+        if resume is not None:
+            self.detok.prime(resume.output_ids, resume.text_chars)
+        self.prompt_tokens = len(req.input_ids) - self.resumed
         self.finished = False
         self.state: ReqState = tm.submit(req, group)
 
@@ -94,9 +99,9 @@ class Generation:
             text=text,
             output_ids=list(out.output_ids),
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=out.completion_tokens,
+            completion_tokens=self.resumed + out.completion_tokens,
             finish_reason=reason,
-            cached_tokens=out.cached_tokens,
+            cached_tokens=min(out.cached_tokens, self.prompt_tokens),
             logprobs=out.output_logprobs,
             top_logprobs=out.output_top_logprobs,
             customized_info=dict(out.customized_info or {}),
@@ -143,7 +148,8 @@ def failed_handoff(role: str, deltas: list[Delta]) -> str | None:
 
 
 async def start(
-    tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float, group: str | None = None
+    tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float, group: str | None = None,
+    resume: Resume | None = None,
 ) -> tuple[list[Generation], list[Delta]]:
     """Submit every request (the choices of one OpenAI request share its id as `group`) and wait
     for each one's first delta, so that a refusal (an InvalidRequest from the scheduler) still
@@ -152,7 +158,7 @@ async def start(
     gens: list[Generation] = []
     try:
         for i, req in enumerate(reqs):
-            gens.append(Generation(tm, req, i, timeout, group))
+            gens.append(Generation(tm, req, i, timeout, group, resume))
         firsts = await gather_or_cancel([g.next() for g in gens])
     except BaseException:
         for gen in gens:

@@ -24,6 +24,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.server import sse
 from runtime.server.generation import Delta, Generation, finish, interleave, start
 from runtime.server.json_route import JsonRoute
+from runtime.server.resume import resumed
 from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter(route_class=JsonRoute)
@@ -45,7 +46,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
     params["max_new_tokens"] = tm.budget(
         len(ids), params.get("max_new_tokens"), SamplingParams.max_new_tokens,
         "sampling_params.max_new_tokens", "text" if body.text is not None else "input_ids")
-    return GenerateRequest(
+    return resumed(GenerateRequest(
         rid=body.rid or uuid.uuid4().hex,
         input_ids=ids,
         sampling_params=params,
@@ -56,14 +57,15 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=room,
         bootstrap_ticket=body.bootstrap_ticket,
-    )
+    ), body.resume)
 
 
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request) -> Response:
     tm: TokenizerManager = request.app.state.tm
     req = _request(tm, body)
-    gens, firsts = await sse.until_disconnect(request, start(tm, [req], tm.args.request_timeout_s))
+    gens, firsts = await sse.until_disconnect(
+        request, start(tm, [req], tm.args.request_timeout_s, resume=body.resume))
     if body.stream:
         return sse.sse_response(_events(gens, firsts, req.rid))
     [total] = await sse.until_disconnect(request, finish(gens, firsts))

@@ -23,6 +23,7 @@ from runtime.server import sse
 from runtime.server.errors import ApiError
 from runtime.server.generation import Delta, Generation, finish, interleave, start
 from runtime.server.json_route import JsonRoute
+from runtime.server.resume import check_one_choice, resumed
 from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter(route_class=JsonRoute)
@@ -45,6 +46,7 @@ def _requests(
     """One scheduler request per choice (`rooms` has one each); `fields` name the max-tokens
     field the client used and its prompt (for a context overflow's 400)."""
     base = body.rid or uuid.uuid4().hex
+    check_one_choice(body.resume, len(prompts) * body.n)
     reqs = []
     for p, ids in enumerate(prompts):
         budget = tm.budget(len(ids), max_new, body.DEFAULT_MAX_TOKENS, *fields)
@@ -52,13 +54,13 @@ def _requests(
             params = body.sampling_params(budget, seed_offset=j)
             SamplingParams.from_dict(params)  # fail fast, naming the field
             i = p * body.n + j
-            reqs.append(GenerateRequest(
+            reqs.append(resumed(GenerateRequest(
                 rid=f"{base}-{i}", input_ids=ids, sampling_params=params,
                 stream=body.stream, return_logprob=top_logprobs is not None,
                 top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
                 bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
                 bootstrap_ticket=body.bootstrap_ticket,
-            ))
+            ), body.resume))
     return reqs
 
 
@@ -82,7 +84,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompt_tokens = sum(len(p) for p in prompts)
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
-        request, start(tm, reqs, tm.args.request_timeout_s, group))
+        request, start(tm, reqs, tm.args.request_timeout_s, group, body.resume))
     rid = f"cmpl-{group}"
     if body.stream:
         events = _completion_events(tm, body, gens, firsts, rid, prompt_tokens)
@@ -106,6 +108,7 @@ async def _completion_events(
             if d.text or d.output_ids or d.finish_reason:
                 choice = fmt.completion_choice(tm.tokenizer, d, offsets[d.index])
                 offsets[d.index] += len(d.text)
+                _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("text_completion", rid, body.model, [choice]))
     except Exception as e:  # mid-stream: the status line is gone, report in-band
         yield sse.event(error_body(str(e), "server_error", "stream_failed"))
@@ -125,7 +128,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     reqs = _requests(tm, body, [ids], rooms, body.max_new_tokens, top, (asked, "messages"))
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
-        request, start(tm, reqs, tm.args.request_timeout_s, group))
+        request, start(tm, reqs, tm.args.request_timeout_s, group, body.resume))
     rid = f"chatcmpl-{group}"
     if body.stream:
         return sse.sse_response(_chat_events(tm, body, gens, firsts, rid, len(ids)))
@@ -147,11 +150,18 @@ async def _chat_events(
             last[d.index] = d
             if first or d.text or d.output_ids or d.finish_reason:
                 choice = fmt.chat_chunk_choice(tm.tokenizer, d, first)
+                _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("chat.completion.chunk", rid, body.model, [choice]))
     except Exception as e:
         yield sse.event(error_body(str(e), "server_error", "stream_failed"))
     for event in _stream_tail("chat.completion.chunk", rid, body, prompt_tokens, last):
         yield event
+
+
+def _token_ids(body: SamplingFields, choice: dict[str, Any], d: Delta) -> None:
+    """A router following the stream's tokens (to resume it elsewhere) asked for them."""
+    if body.return_token_ids:
+        choice["token_ids"] = list(d.output_ids)
 
 
 def _stream_tail(
