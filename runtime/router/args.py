@@ -84,6 +84,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="a request that fails before anything reached the client (a worker "
                    "unreachable, a 5xx, a failed KV handoff) is tried again on another pair this "
                    f"many times (default: {DEFAULT.max_retries})")
+    p.add_argument("--max-migrations", type=_count, default=DEFAULT.max_migrations,
+                   help="a one-choice stream whose decode fails after its first byte goes on "
+                   "on another pair, from the tokens its client has, this many times (0: it "
+                   f"ends with an in-band error) (default: {DEFAULT.max_migrations})")
     _seconds(p, "--retry-backoff-s", DEFAULT.retry_backoff_s,
              "the wait before the first retry, doubled for each next one")
     p.add_argument("--pair-failures", type=_positive_int, default=DEFAULT.pair_failures,
@@ -148,7 +152,8 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
-        max_retries=ns.max_retries, retry_backoff_s=ns.retry_backoff_s,
+        max_retries=ns.max_retries, max_migrations=ns.max_migrations,
+        retry_backoff_s=ns.retry_backoff_s,
         pair_failures=ns.pair_failures, pair_quarantine_s=ns.pair_quarantine_s,
         pair_max_quarantine_s=ns.pair_max_quarantine_s,
         cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,

@@ -61,6 +61,7 @@ class RouterConfig:
     dns_refresh_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
     max_retries: int = 2  # tries on other pairs for a request that failed before its answer
+    max_migrations: int = 3  # times a stream may move to another pair after its first byte
     retry_backoff_s: float = 0.05  # before the first retry; doubled for each next one
     pair_failures: int = 2  # failed KV handoffs in a row that quarantine a (prefill, decode) pair
     pair_quarantine_s: float = 5.0  # the first quarantine; doubled at each failed probe

@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import httpx
@@ -32,9 +33,10 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.router.attempt import Attempt, blames_link, retryable
 from runtime.router.errors import RouterError, UpstreamFailure
+from runtime.router.follow import Follower, StreamError
 from runtime.router.pairs import PairTable
 from runtime.router.proxy import Proxy
-from runtime.router.request import RoutedRequest
+from runtime.router.request import CHAT, COMPLETIONS, RoutedRequest, choice_count
 from runtime.router.workers import Worker
 from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 
@@ -51,12 +53,18 @@ class Exchange:
     def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
                  prefill: Worker, decode: Worker):
         self.proxy, self.pairs, self.route = proxy, pairs, route
+        self.follower = _follower(req, proxy.config.max_migrations)
+        if self.follower is not None and req.endpoint in (CHAT, COMPLETIONS):
+            req = replace(req, body={**req.body, "return_token_ids": True})
         self.req = req  # the first try's: its endpoint and the client's rid
-        self.started = time.monotonic()
+        self.base = req  # what the next try is made from (with `resume` after a migration)
+        self.started = self.phase_started = time.monotonic()
+        self.tries = 0  # tries after the first, of every kind: the rid suffix of the next
+        self.migrations = 0
         self.status = CLIENT_GONE  # what the client got, for the metrics
         self.delivered = False  # the client has D's whole response: nothing left to abort
         self.recorded = False
-        self.retries = 0
+        self.retries = 0  # of the current phase (the first try, or a migration)
         self.cancelled = False  # by `POST /abort`: no more tries
         self.on_close: Callable[[], None] = lambda: None
         self.avoid_workers: set[Worker] = set()
@@ -96,20 +104,51 @@ class Exchange:
         self.attempt.cancel()
 
     async def relay(self) -> AsyncIterator[bytes]:
-        """D's stream as it comes, event by event, until [DONE]; a failure ends it in-band."""
-        try:
-            async for event in self._events():
-                if event == DONE_EVENT:
-                    self.delivered = True
-                    yield DONE_BYTES
-                    return
-                yield self._for_client(event) + b"\n\n"
-            raise self.proxy.count(UpstreamFailure.truncated("decode", self.attempt.d.url))
-        except UpstreamFailure as f:
-            self.attempt.abort(f)
-            yield f"data: {json.dumps(f.body, ensure_ascii=False)}\n\n".encode()
-            self.delivered = True  # the error is the response
-            yield DONE_BYTES
+        """D's stream as it comes, event by event, until [DONE]. When D fails, a stream the
+        router follows goes on on another pair (`_migrate`); else, or when that fails too,
+        it ends in-band with the error and [DONE]."""
+        while True:
+            try:
+                async for event in self._events():
+                    if event == DONE_EVENT:
+                        break
+                    yield self._for_client(event) + b"\n\n"
+                else:
+                    raise self.proxy.count(UpstreamFailure.truncated("decode", self.attempt.d.url))
+                self.delivered = True
+                yield DONE_BYTES
+                return
+            except (UpstreamFailure, StreamError) as e:
+                f = e if isinstance(e, UpstreamFailure) else self.proxy.count(
+                    UpstreamFailure("decode", "stream_error", 502, e.body))
+                self.attempt.abort(f)
+                try:
+                    await self._migrate(f)
+                    continue
+                except UpstreamFailure as last:
+                    f = last
+                if self.follower is None or not self.follower.finished:
+                    yield f"data: {json.dumps(f.body, ensure_ascii=False)}\n\n".encode()
+                self.delivered = True  # the error (or a stream that had finished) is the end
+                yield DONE_BYTES
+                return
+
+    async def _migrate(self, failure: UpstreamFailure) -> None:
+        """Go on with the stream on another pair from the tokens the client has (raises
+        `failure` when it cannot: not followed, finished already, cancelled, no migrations
+        left; or the last failure of the new pair's tries)."""
+        follower = self.follower
+        if (follower is None or follower.finished or self.cancelled
+                or self.migrations >= self.proxy.config.max_migrations):
+            raise failure
+        self.migrations += 1
+        follower.migrated = True
+        self.base = replace(self.req, body={**self.req.body, "resume": follower.resume()})
+        self.avoid_workers.add(self.attempt.d)
+        self.phase_started, self.retries = time.monotonic(), 0
+        self.proxy.metrics.on_migration(failure.reason)
+        self._next_try(failure)
+        await self._answer(None)
 
     def client_left(self) -> None:
         self.status = CLIENT_GONE
@@ -128,7 +167,8 @@ class Exchange:
         self.pairs.sent(prefill, decode)
         return Attempt(self.proxy, req, prefill, decode)
 
-    async def _answer(self, disconnect: asyncio.Task[None]) -> tuple[httpx.Response, bytes | None]:
+    async def _answer(self, disconnect: asyncio.Task[None] | None,
+                      ) -> tuple[httpx.Response, bytes | None]:
         """D's answer, from the first attempt that gets one (and, for JSON, its body: None
         for a stream); the last failure when no attempt is left."""
         while True:
@@ -146,7 +186,8 @@ class Exchange:
                 if not self._may_retry(f):
                     raise
                 await _until(self.proxy.spawn(self._backoff()), disconnect)
-                self._retry(f)
+                self.retries += 1
+                self._next_try(f)
 
     def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
         if blames_link(failure):
@@ -159,24 +200,24 @@ class Exchange:
     def _may_retry(self, failure: UpstreamFailure) -> bool:
         config = self.proxy.config
         return (retryable(failure) and not self.cancelled and self.retries < config.max_retries
-                and time.monotonic() - self.started < config.request_timeout_s)
+                and time.monotonic() - self.phase_started < config.request_timeout_s)
 
     async def _backoff(self) -> None:
         base = self.proxy.config.retry_backoff_s * 2 ** self.retries
         await asyncio.sleep(base * random.uniform(0.5, 1.0))
 
-    def _retry(self, failure: UpstreamFailure) -> None:
+    def _next_try(self, failure: UpstreamFailure) -> None:
         """The next attempt, on another pair if there is one (raises the failure if no pair
         is left at all)."""
-        self.retries += 1
+        self.tries += 1
         try:
-            req, prefill, decode = self.route(self.req.retried(self.retries), self.avoid_workers,
+            req, prefill, decode = self.route(self.base.retried(self.tries), self.avoid_workers,
                                               self.avoid_pairs)
         except RouterError:
             raise failure from None
-        log.info("retrying %s (try %d) on prefill %s, decode %s after %s %s: %s",
-                 self.req.rid, self.retries + 1, prefill.url, decode.url, failure.side,
-                 failure.reason, failure.code)
+        log.info("%s: try %d on prefill %s, decode %s after %s %s: %s", self.req.rid,
+                 self.tries + 1, prefill.url, decode.url, failure.side, failure.reason,
+                 failure.code)
         self.proxy.metrics.on_retry(failure.side, failure.reason)
         self.attempt = self._start(req, prefill, decode)
 
@@ -204,7 +245,10 @@ class Exchange:
             raise self.proxy.failed(self.attempt.d, e) from None
 
     def _for_client(self, payload: bytes) -> bytes:
-        """A retry's rid carries a suffix; the client sees its own rid in `meta_info.id`."""
+        """What the client gets of D's event (or JSON body): counted by the follower, if any;
+        a retry's rid carries a suffix, and the client sees its own rid in `meta_info.id`."""
+        if self.follower is not None:
+            return self.follower.event(payload)
         client_rid = self.req.client_rid
         if client_rid is None or self.attempt.req.rid == client_rid:
             return payload
@@ -216,6 +260,14 @@ class Exchange:
             return payload
         out = json.dumps(body, ensure_ascii=False).encode()
         return b"data: " + out if event else out
+
+
+def _follower(req: RoutedRequest, max_migrations: int) -> Follower | None:
+    """A follower for a stream that can move: one choice, migrations allowed."""
+    body = req.body
+    if max_migrations < 1 or body.get("stream") is not True:
+        return None
+    return Follower(req) if choice_count(req.endpoint, body) == 1 else None
 
 
 async def _wait_disconnect(request: Request) -> None:

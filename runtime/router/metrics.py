@@ -50,6 +50,10 @@ class RouterMetrics:
             "baton_router_retries",
             "Requests tried again on another pair, by the failed side and reason",
             ["side", "reason"], registry=r)
+        self.migrations = Counter(
+            "baton_router_migrations",
+            "Streams moved to another pair after their first byte, by the decode's failure",
+            ["reason"], registry=r)
         self.pair_state = Gauge(
             "baton_router_pair_state",
             "State of each (prefill, decode) pair that has seen a request: 0 healthy, "
@@ -57,6 +61,9 @@ class RouterMetrics:
 
     def on_retry(self, side: str, reason: str) -> None:
         self.retries.labels(side=side, reason=reason).inc()
+
+    def on_migration(self, reason: str) -> None:
+        self.migrations.labels(reason=reason).inc()
 
     def set_pairs(self, states: Mapping[tuple[str, str], int]) -> None:
         self.pair_state.clear()

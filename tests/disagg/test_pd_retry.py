@@ -1,8 +1,9 @@
-"""Failures the client never sees, with real processes: a router in front of two prefills and
-a decode (tiny random Llama, tcp, a cluster key; prefill slowed by the `slow-prefill` plugin so
-that requests are caught mid-prefill). A prefill killed with -9 under load costs its clients
-nothing: every request is retried on the other prefill and its greedy output equals an
-undisturbed run's."""
+"""Failures the client never sees, with real processes: a router in front of prefills and
+decodes (tiny random Llama, tcp, a cluster key). A prefill killed with -9 under load (2P+1D,
+prefill slowed by the `slow-prefill` plugin so that requests are caught mid-prefill) costs its
+clients nothing: every request is retried on the other prefill. A decode killed with -9 while
+it streams (1P+2D) costs them nothing either: every stream goes on from the other decode. Each
+greedy output equals an undisturbed run's."""
 
 from __future__ import annotations
 
@@ -30,32 +31,45 @@ WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 @dataclass
 class Deployment:
     prefills: list[ServerProcess]
-    decode: ServerProcess
+    decodes: list[ServerProcess]
     router: RouterProcess
 
     def stop(self) -> None:
         self.router.stop()
-        for srv in (*self.prefills, self.decode):
+        for srv in (*self.prefills, *self.decodes):
             if srv.proc.poll() is None:
                 srv.stop()
 
 
-@pytest.fixture
-def deployment(tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
+def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
+           prefill_args: tuple[str, ...] = ()) -> Deployment:
     env = {ENV: secrets.token_hex(32)}
-    ports = [free_port(), free_port()]
-    prefills = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer",
-                              "tcp", *FAST, *SLOW, log_path=tmp_path / f"prefill{i}.log",
-                              model=str(tiny_path), env=env) for i, port in enumerate(ports)]
-    decode = ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", "0", *FAST,
-                           log_path=tmp_path / "decode.log", model=str(tiny_path), env=env)
-    for srv in (*prefills, decode):
+    ports = [free_port() for _ in range(prefills)]
+    ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", "tcp",
+                        *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
+                        model=str(model), env=env) for i, port in enumerate(ports)]
+    ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", "0", *FAST,
+                        log_path=log_dir / f"decode{i}.log", model=str(model), env=env)
+          for i in range(decodes)]
+    for srv in (*ps, *ds):
         srv.wait_ready()
-    router = start_router(*(a for p, port in zip(prefills, ports, strict=True)
+    router = start_router(*(a for p, port in zip(ps, ports, strict=True)
                             for a in ("--prefill", f"{p.url},{port}")),
-                          "--decode", decode.url, "--policy", "least_load",
-                          log_path=tmp_path / "router.log", env=env)
-    dep = Deployment(prefills, decode, router)
+                          *(a for d in ds for a in ("--decode", d.url)), "--policy", "least_load",
+                          log_path=log_dir / "router.log", env=env)
+    return Deployment(ps, ds, router)
+
+
+@pytest.fixture
+def two_prefills(tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
+    dep = deploy(tiny_path, tmp_path, 2, 1, SLOW)
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture
+def two_decodes(tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
+    dep = deploy(tiny_path, tmp_path, 1, 2)
     yield dep
     dep.stop()
 
@@ -65,10 +79,13 @@ def prompt(i: int) -> str:
     return " ".join(WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(190))
 
 
-async def ask(http: httpx.AsyncClient, url: str, i: int) -> list[int]:
-    """Request i's greedy output ids; streamed for odd i. Any error fails the test."""
-    body: dict[str, Any] = {"text": prompt(i), "stream": i % 2 == 1, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+async def ask(http: httpx.AsyncClient, url: str, i: int, stream: bool | None = None,
+              max_new: int = 12) -> list[int]:
+    """Request i's greedy output ids; streamed for odd i unless `stream` says. Any error
+    fails the test."""
+    body: dict[str, Any] = {"text": prompt(i), "stream": i % 2 == 1 if stream is None else stream,
+                            "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
+                                                "ignore_eos": True}}
     if not body["stream"]:
         r = await http.post(f"{url}/generate", json=body)
         assert r.status_code == 200, r.text
@@ -80,16 +97,16 @@ async def ask(http: httpx.AsyncClient, url: str, i: int) -> list[int]:
     return [t for e in events for t in e["output_ids"]]
 
 
-async def ask_all(url: str, n: int, during: Any = None) -> list[list[int]]:
+async def ask_all(url: str, n: int, during: Any = None, **kw: Any) -> list[list[int]]:
     async with httpx.AsyncClient(timeout=120) as http:
-        calls = [asyncio.ensure_future(ask(http, url, i)) for i in range(n)]
+        calls = [asyncio.ensure_future(ask(http, url, i, **kw)) for i in range(n)]
         if during is not None:
             await during()
         return list(await asyncio.gather(*calls))
 
 
-def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(deployment: Deployment) -> None:
-    dep = deployment
+def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(two_prefills: Deployment) -> None:
+    dep = two_prefills
     undisturbed = asyncio.run(ask_all(dep.router.url, 8))
     assert all(len(out) == 12 for out in undisturbed)
     victim = dep.prefills[0]
@@ -110,4 +127,29 @@ def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(deployment: Depl
     retries = metric(dep.router.url, 'baton_router_retries_total{reason="broken",side="prefill"}')
     assert retries >= 1, "no request was on the killed prefill"
     assert metric(dep.router.url, 'baton_router_requests_total{endpoint="/generate",status="200"}') == 16
-    eventually(lambda: kv_free(dep.decode.url) and kv_free(dep.prefills[1].url))
+    eventually(lambda: kv_free(dep.decodes[0].url) and kv_free(dep.prefills[1].url))
+
+
+def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deployment) -> None:
+    """8 streams, the victim holding several of them mid-way: each stream goes on from the
+    other decode (the prefill computes prompt + what was streamed), every token exactly once."""
+    dep = two_decodes
+    undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=300))
+    victim = dep.decodes[0]
+    in_flight = f'baton_router_worker_in_flight{{role="decode",worker="{victim.url}"}}'
+
+    async def kill_mid_stream() -> None:
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(metric, victim.url, "baton_running_requests") < 3 or \
+                await asyncio.to_thread(metric, dep.router.url, in_flight) < 3:
+            assert time.monotonic() < deadline, "the victim never streamed 3 requests"
+            await asyncio.sleep(0.02)
+        victim.kill()
+
+    disturbed = asyncio.run(ask_all(dep.router.url, 8, kill_mid_stream, stream=True,
+                                    max_new=300))
+    assert disturbed == undisturbed
+    moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
+                .text.splitlines() if line.startswith("baton_router_migrations_total{"))
+    assert moved >= 3, "the streams on the killed decode did not move"
+    eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))

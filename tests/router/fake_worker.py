@@ -9,8 +9,10 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `chunks`: stream this many content events (default 3);
 - `gated`: before each event after the first, wait until the test calls `release()`;
 - `die_after`: drop the connection after this many events (no [DONE]);
+- `error_after`: after this many events, an in-band error event, then [DONE];
 - `delay_s`: wait this long before answering;
 - `linger_s`: keep the stream open this long after `data: [DONE]`.
+A stream with `resume` starts at event len(resume.output_ids) (event i is token i, "toki ").
 A worker's own `steer` (set by the test) is applied over the body's, to make one worker of a
 role fail; a decode worker fails with 502 `kv_transfer_failed` every request whose prefill has
 a bootstrap port in `broken_links` (a P<->D link that does not work).
@@ -152,11 +154,16 @@ class FakeWorker:
     async def _events(self, path: str, body: dict[str, Any], steer: dict[str, Any],
                       finish: str) -> AsyncIterator[str]:
         chunks = steer.get("chunks", 3)
-        for i in range(chunks):
-            if i and steer.get("gated"):
+        start = len((body.get("resume") or {}).get("output_ids", []))  # a resumed stream
+        for i in range(start, chunks):
+            if i > start and steer.get("gated"):
                 await self._wait_gate()
             if steer.get("die_after") == i:
                 raise ConnectionResetError("fake worker dies mid-stream")
+            if steer.get("error_after") == i:  # as a worker whose scheduler failed mid-stream
+                yield _sse({"error": {"message": "scheduler died", "type": "server_error",
+                                      "code": "stream_failed", "param": None}})
+                break
             last = i == chunks - 1
             self.sent_at.append(time.monotonic())
             yield _sse(_chunk(path, body, i, finish if last else None))
@@ -203,7 +210,11 @@ def _chunk(path: str, body: dict[str, Any], i: int, finish: str | None) -> dict[
         choice: dict[str, Any] = {"index": 0, "text": f"tok{i} ", "finish_reason": finish}
         kind = "text_completion"
     else:
-        choice = {"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": finish}
+        delta = {"content": f"tok{i} "} | ({"role": "assistant"} if i == 0 or (body.get("resume")
+                                            and i == len(body["resume"]["output_ids"])) else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
         kind = "chat.completion.chunk"
-    return {"id": f"cmpl-{body['rid']}", "object": kind, "created": 0,
+    if body.get("return_token_ids"):
+        choice["token_ids"] = [i]
+    return {"id": f"cmpl-{body['rid']}", "object": kind, "created": int(time.time()),
             "model": body.get("model", "fake"), "choices": [choice]}

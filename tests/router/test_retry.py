@@ -109,14 +109,76 @@ def test_no_retry_with_max_retries_zero(workers: Any, router: Any) -> None:
     assert answer.status_code == 500 and len(d.received) == 1
 
 
-def test_a_stream_that_breaks_after_its_first_event_is_not_retried(pd: Any) -> None:
-    """After the first byte the client has D's tokens: a retry would repeat them."""
+def contents(path: str, got: list[Any]) -> list[str]:
+    out = []
+    for e in got:
+        if isinstance(e, dict) and path == "/generate":
+            out.append(e["text"])
+        elif isinstance(e, dict) and e.get("choices"):
+            c = e["choices"][0]
+            out.append(c["text"] if path == "/v1/completions" else c["delta"]["content"])
+    return out
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("how", ["die_after", "error_after"])
+def test_a_broken_stream_goes_on_on_another_decode(workers: Any, router: Any, path: str,
+                                                   how: str) -> None:
+    """D dies (or reports an error) after 2 of 5 events: the client's stream simply goes on
+    from another decode, each token once, one finish reason, the first stream's ids."""
+    p = workers("prefill")
+    ds = [workers("decode"), workers("decode")]
+    r = router([p], ds, "--policy", "round_robin")
+    ds[0].steer = {how: 2}
+    body = {**BODIES[path], "stream": True, "fake": {"decode": {"chunks": 5}}}
+    if path == "/generate":
+        body["rid"] = "keep-me"
+    status, got = sse(r.client, path, body)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert not any("error" in e for e in got[:-1]), got
+    assert contents(path, got) == [f"tok{i} " for i in range(5)]
+    resumed = ds[1].generation().body
+    assert resumed["resume"] == {"output_ids": [0, 1], "text_chars": len("tok0 tok1 ")}
+    assert resumed["rid"] != ds[0].generation().body["rid"]
+    assert resumed["bootstrap_room"] != ds[0].generation().body["bootstrap_room"]
+    assert p.generation(resumed["rid"]).body["resume"] == resumed["resume"]  # P computes them too
+    events_ = got[:-1]
+    if path == "/generate":
+        assert {e["meta_info"]["id"] for e in events_} == {"keep-me"}
+        finishes = [e["meta_info"]["finish_reason"] for e in events_]
+    else:
+        assert len({(e["id"], e["created"]) for e in events_}) == 1
+        assert all("token_ids" not in c for e in events_ for c in e["choices"])
+        finishes = [e["choices"][0]["finish_reason"] for e in events_]
+        if path == "/v1/chat/completions":
+            assert [bool(e["choices"][0]["delta"].get("role")) for e in events_].count(True) == 1
+    assert [f for f in finishes if f] in (["length"], [{"type": "length"}])
+    assert metric(r, "baton_router_migrations_total") == 1
+    assert 'status="200"} 1.0' in r.metrics()
+
+
+def test_migrations_are_bounded_then_the_stream_ends_in_band(workers: Any, router: Any) -> None:
+    p = workers("prefill")
+    ds = [workers("decode"), workers("decode")]
+    r = router([p], ds, "--policy", "round_robin", "--max-migrations", "1")
+    ds[0].steer, ds[1].steer = {"die_after": 1}, {"die_after": 3}
+    body = {**BODIES["/v1/completions"], "stream": True, "fake": {"decode": {"chunks": 5}}}
+    status, got = sse(r.client, "/v1/completions", body)
+    assert status == 200
+    assert contents("/v1/completions", got) == ["tok0 ", "tok1 ", "tok2 "]
+    assert got[3]["error"]["code"] == "decode_broken" and got[4:] == ["[DONE]"]
+    assert metric(r, "baton_router_migrations_total") == 1
+
+
+def test_streams_with_several_choices_are_not_followed(pd: Any) -> None:
     router, _, d = pd
-    body = {**BODIES["/v1/completions"], "stream": True,
-            "fake": {"decode": {"chunks": 5, "die_after": 2}}}
-    status, got = sse(router.client, "/v1/completions", body)
-    assert status == 200 and got[2]["error"]["code"] == "decode_broken" and got[3] == "[DONE]"
-    assert len(d.received) == 1
+    body = {**BODIES["/v1/chat/completions"], "stream": True, "n": 2}
+    status, got = sse(router.client, "/v1/chat/completions", body)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert "return_token_ids" not in d.generation().body
+    plain = {**BODIES["/v1/chat/completions"], "stream": True}
+    sse(router.client, "/v1/chat/completions", plain)
+    assert d.generation().body["return_token_ids"] is True
 
 
 def test_a_duplicate_rid_is_refused_and_the_original_untouched(pd: Any) -> None:

@@ -1,0 +1,79 @@
+"""Following a relayed stream, so that it can go on elsewhere (docs/router.md "Migration").
+
+A `Follower` reads each SSE event of a one-choice stream as D sends it: it counts the token ids
+the client got (`/generate` events carry `output_ids`; OpenAI chunks carry `token_ids`, which
+the router asks the workers for and takes out again) and the characters of their text, and
+notes the finish reason. After a migration the events come from another worker under another
+rid: the follower makes them look like the first worker's (the client's `meta_info.id`, the
+first chunk's `id` and `created`, no second `role` delta in a chat).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.router.request import CHAT, GENERATE, RoutedRequest
+
+
+class StreamError(Exception):
+    """D reported an error inside its stream (its scheduler failed mid-way)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(str(body.get("error")))
+        self.body = body
+
+
+class Follower:
+    def __init__(self, req: RoutedRequest) -> None:
+        self.endpoint = req.endpoint
+        self.rid = req.client_rid or req.rid  # what /generate's client sees as meta_info.id
+        self.ids: list[int] = []
+        self.chars = 0
+        self.finished = False  # a finish reason was relayed: only usage and [DONE] may follow
+        self.migrated = False
+        self.first: dict[str, Any] | None = None  # the first OpenAI chunk's id and created
+
+    def resume(self) -> dict[str, Any]:
+        """The `resume` field of the request that continues this stream."""
+        return {"output_ids": list(self.ids), "text_chars": self.chars}
+
+    def event(self, payload: bytes) -> bytes:
+        """One `data: {...}` event as the client gets it, counted; raises StreamError for an
+        error event. Anything that is not a JSON object passes as it is."""
+        try:
+            body = json.loads(payload.removeprefix(b"data: "))
+        except ValueError:
+            return payload
+        if not isinstance(body, dict):
+            return payload
+        if "error" in body:
+            raise StreamError(body)
+        if self.endpoint == GENERATE:
+            self._generate(body)
+        else:
+            self._openai(body)
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode()
+
+    def _generate(self, body: dict[str, Any]) -> None:
+        self.ids += body.get("output_ids") or []
+        self.chars += len(body.get("text") or "")
+        meta = body.get("meta_info")
+        if isinstance(meta, dict):
+            meta["id"] = self.rid
+            self.finished = self.finished or meta.get("finish_reason") is not None
+
+    def _openai(self, body: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = {"id": body.get("id"), "created": body.get("created")}
+        body.update(self.first)
+        for choice in body.get("choices") or []:
+            self.ids += choice.pop("token_ids", None) or []
+            if self.endpoint == CHAT:
+                delta = choice.get("delta") or {}
+                if self.migrated:
+                    delta.pop("role", None)
+                self.chars += len(delta.get("content") or "")
+            else:
+                self.chars += len(choice.get("text") or "")
+            self.finished = self.finished or choice.get("finish_reason") is not None
