@@ -14,6 +14,7 @@ API trouble becomes a TemporaryError and kopf retries after a delay.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
@@ -22,9 +23,11 @@ import kopf
 import urllib3
 
 from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
+from baton_operator.capabilities import probe
 from baton_operator.config import OperatorConfig
 from baton_operator.gates import Claims, Gates
 from baton_operator.kube import ApiError, Kube
+from baton_operator.metrics import METRICS
 from baton_operator.reconcile import PassResult, owner_of, run_pass
 from baton_operator.status import ready_event
 
@@ -38,7 +41,11 @@ CHILD_KINDS = (("apps", "v1", "deployments", "Deployment"), ("", "v1", "services
                ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
                ("", "v1", "serviceaccounts", "ServiceAccount"),
                ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
-               ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"))
+               ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+               # served only where KEDA / the Prometheus operator is installed: kopf watches
+               # them once their CRDs appear
+               ("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+               ("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"))
 
 
 @kopf.on.startup()
@@ -52,6 +59,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = not CONFIG.cluster_scanning
     settings.watching.connect_timeout = 60
     settings.watching.server_timeout = 300
+    METRICS.serve(CONFIG.metrics_port)
     memo.kube = Kube.from_environment()
     memo.gates = Gates()
     memo.claims = Claims()
@@ -98,12 +106,18 @@ def _pass(memo: kopf.Memo, namespace: str, name: str, *, skippable: bool) -> Pas
     with memo.gates.turn((namespace, name), skippable=skippable) as mine:
         if not mine:
             return None
+        started = time.monotonic()
         with _api_errors():
             body = memo.kube.get(API_VERSION, KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 memo.claims.update(namespace, name, [])
+                METRICS.forget(namespace, name)
                 return None
-            result = run_pass(memo.kube, body, CONFIG.policy, CONFIG.images)
+            caps = probe(memo.kube, CONFIG.prometheus_url)
+            result = run_pass(memo.kube, body, CONFIG.policy, CONFIG.images, caps)
+    METRICS.on_pass(result.outcome, time.monotonic() - started)
+    status = result.status.new if result.status is not None else body.get("status") or {}
+    METRICS.set_phase(namespace, name, str(status.get("phase")))
     memo.claims.update(namespace, name, result.conflicts)
     _report(body, result)
     return result
@@ -132,7 +146,9 @@ def _api_errors() -> Iterator[None]:
     try:
         yield
     except ApiError as e:
+        METRICS.errors.inc()
         raise kopf.TemporaryError(f"Kubernetes API: {e}", delay=CONFIG.retry_seconds) from e
     except urllib3.exceptions.HTTPError as e:
+        METRICS.errors.inc()
         raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}",
                                   delay=CONFIG.retry_seconds) from e

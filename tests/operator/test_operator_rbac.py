@@ -26,7 +26,7 @@ NEVER_REQUESTED = {("update", "baton.dev", "inferenceservices/finalizers")}
 # creator holds (the escalation check, which the emulated API does not run).
 GRANTED_TO_ROUTERS = {(verb, "", "pods") for verb in ("get", "list", "watch")}
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
-        "autoscaling": {"prefill": {"min": 1, "max": 3}}}
+        "autoscaling": {"prefill": {"min": 1, "max": 3, "metric": "cpu"}}}
 TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
           ("service/llm", '{"spec":{"selector":{"app":"x"}}}'),
           ("ingress/llm", '{"spec":{"rules":[{"host":"evil.example.com"}]}}'),
