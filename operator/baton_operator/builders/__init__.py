@@ -29,7 +29,7 @@ from baton_operator.builders.pods import (
     serve_command,
 )
 from baton_operator.builders.workloads import build_deployment, build_pdb
-from baton_operator.capabilities import KEDA, PROMETHEUS_OPERATOR, Capabilities
+from baton_operator.capabilities import KEDA, Capabilities
 from baton_operator.spec import ROLES, WORKER_ROLES, InferenceService
 
 ChildKey = tuple[str, str, str]  # (apiVersion, kind, name)
@@ -64,8 +64,6 @@ def optional_children(svc: InferenceService, caps: Capabilities | None = None
     keys += [("autoscaling/v2", "HorizontalPodAutoscaler", child_name(svc, r)) for r in WORKER_ROLES]
     if caps.keda:
         keys += [(KEDA[0], "ScaledObject", child_name(svc, r)) for r in WORKER_ROLES]
-    if caps.pod_monitors:
-        keys.append((PROMETHEUS_OPERATOR[0], "PodMonitor", svc.name))
     keys += [("policy/v1", "PodDisruptionBudget", child_name(svc, r)) for r in ROLES]
     return keys + router_access_keys(svc) + network_policy_keys(svc)
 
