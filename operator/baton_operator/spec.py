@@ -56,6 +56,8 @@ PERCENT_METRICS = ("cpu", "memory", "kv")  # target: percent, 1..100
 # default target per metric: percent, tokens (queue) or milliseconds (ttft, itl)
 TARGETS = {"cpu": 80, "memory": 80, "kv": 80, "queue": 2048, "ttft": 1000, "itl": 100}
 DEFAULT_METRIC = {"prefill": "queue", "decode": "kv"}
+# a prefill server makes one token per request: it has no inter-token latency
+NO_SIGNAL = {("prefill", "itl")}
 
 _LONGEST_SUFFIX = len("-prefill")
 
@@ -335,7 +337,8 @@ def _autoscaling(raw: Mapping[str, Any]) -> dict[str, Autoscale]:
         high = integer(scale.get("max"), f"{where}.max", minimum=1)
         if low > high:
             raise InvalidSpec(f"{where}: min ({low}) must not exceed max ({high})")
-        metric = choice(scale.get("metric", DEFAULT_METRIC[role]), f"{where}.metric", METRICS)
+        metric = choice(scale.get("metric", DEFAULT_METRIC[role]), f"{where}.metric",
+                        tuple(m for m in METRICS if (role, m) not in NO_SIGNAL))
         target = integer(scale.get("target", TARGETS[metric]), f"{where}.target", minimum=1)
         if metric in PERCENT_METRICS and target > 100:
             raise InvalidSpec(f"{where}.target {target}: {metric} takes a percentage, 1..100")

@@ -254,6 +254,13 @@ def test_bad_sample_is_rejected(crd_schema, sample):
             },
             "spec.autoscaling.prefill.metric",
         ),
+        (  # a prefill server makes one token per request: no inter-token latency
+            {
+                "model": {"uri": "builtin:x"},
+                "autoscaling": {"prefill": {"min": 1, "max": 2, "metric": "itl"}},
+            },
+            "spec.autoscaling.prefill.metric",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected(crd_schema, spec, where):

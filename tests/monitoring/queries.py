@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 from baton_operator.builders.autoscaling import SIGNALS, pool_selector
-from baton_operator.spec import parse_service
+from baton_operator.spec import NO_SIGNAL, parse_service
 
 FILES = Path(__file__).resolve().parents[2] / "charts" / "baton" / "files"
 DASHBOARD = FILES / "dashboards" / "baton.json"
@@ -67,7 +67,8 @@ def keda_queries() -> list[Query]:
     svc = parse_service({"metadata": {"name": LOCAL["instance"], "namespace": LOCAL["namespace"]},
                          "spec": {"model": {"uri": "builtin:smollm2-135m"}}})
     return [Query(f"keda: {metric} on {role}", signal.query(pool_selector(svc, role)))
-            for metric, signal in SIGNALS.items() for role in ("prefill", "decode")]
+            for metric, signal in SIGNALS.items() for role in ("prefill", "decode")
+            if (role, metric) not in NO_SIGNAL]
 
 
 def all_queries() -> list[Query]:
