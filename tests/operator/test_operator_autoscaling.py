@@ -140,7 +140,7 @@ def test_defaults_prefill_on_queued_prompt_tokens_decode_on_kv_use() -> None:
     ({"metric": "kv", "target": 101}, False), ({"metric": "cpu", "target": 101}, False),
     ({"metric": "gpu"}, False), ({"metric": "itl", "target": 0}, False)])
 def test_targets_are_checked_in_the_metrics_unit(scale: dict[str, Any], ok: bool) -> None:
-    with pytest.raises(InvalidSpec, match="spec.autoscaling.prefill.metric 'itl'"):
+    with pytest.raises(InvalidSpec, match=r"spec\.autoscaling\.prefill\.metric 'itl'"):
         service(autoscaling={"prefill": {"min": 1, "max": 2, "metric": "itl"}})  # no ITL there
     try:
         service(autoscaling={"decode": {"min": 1, "max": 2, **scale}})
