@@ -2,13 +2,15 @@
 
 Every cause runs the same complete pass over the service, reading it afresh:
 - create / update / resume of an InferenceService;
-- any event of a child (Deployment, Service, Ingress, HPA, PDB, the router's ServiceAccount,
-  Role and RoleBinding), including its deletion, so a
+- any event of a child (Deployment, Service, Ingress, HPA, PDB, NetworkPolicy, the router's
+  ServiceAccount, Role and RoleBinding, a ScaledObject, a PodMonitor), including its deletion, so a
   hand edit or a deleted child is restored within seconds; and any event of an object that
   holds a child's name (a NameConflict clears as soon as it is deleted);
 - a resync timer, the safety net for anything missed.
 A spec that can never work gets Ready=False/InvalidSpec and a PermanentError (no retries);
-API trouble becomes a TemporaryError and kopf retries after a delay.
+API trouble becomes a TemporaryError and kopf retries after a delay. Each pass asks the API's
+discovery what the cluster serves (capabilities.py) and counts itself in the operator's
+metrics (metrics.py).
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def reconcile(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> No
 def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """The same pass every `resync_seconds`, whatever happened in between."""
     _pass(memo, namespace or "default", name, skippable=True)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(namespace: str | None, name: str, **_: Any) -> None:
+    """A deleted service leaves the operator's metrics (its children go by garbage collection)."""
+    METRICS.forget(namespace or "default", name)
 
 
 def child_handler(kind: str) -> Callable[..., None]:
