@@ -29,7 +29,7 @@ KEDA = Capabilities(keda=True, custom_metrics=True, prometheus_url=PROM)
 SELECTOR = 'namespace="ml",app_kubernetes_io_instance="llm",baton_dev_role="{}"'
 # metric, spec target -> (adapter Pods metric, its averageValue, KEDA metricType, query, threshold)
 EXPECTED = {
-    "queue": ("baton_queued_prompt_tokens", "512000m", "AverageValue",
+    "queue": ("baton_queued_prompt_tokens", "512", "AverageValue",
               "sum(baton_queued_prompt_tokens{%s})", "512"),
     "kv": ("baton_kv_usage_ratio", "700m", "AverageValue", "sum(baton_kv_usage_ratio{%s})",
            "0.7"),

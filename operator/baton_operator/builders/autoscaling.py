@@ -37,8 +37,9 @@ class Signal:
         return _number(target * self.scale)
 
     def quantity(self, target: int) -> str:
-        """The target as a Kubernetes quantity (milli-units keep it exact)."""
-        return f"{round(target * self.scale * 1000)}m"
+        """The target as a Kubernetes quantity (milli-units keep a fraction exact)."""
+        milli = round(target * self.scale * 1000)
+        return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
     def query(self, selector: str) -> str:
         """PromQL for KEDA over one pool's pods."""
@@ -121,7 +122,7 @@ def build_scaled_object(svc: InferenceService, role: WorkerRole, caps: Capabilit
     signal = SIGNALS[scale.metric]
     name = child_name(svc, role)
     return {
-        "apiVersion": KEDA_API_VERSION,
+        "apiVersion": KEDA[0],
         "kind": "ScaledObject",
         "metadata": metadata(svc, name, role),
         "spec": {
@@ -138,8 +139,6 @@ def build_scaled_object(svc: InferenceService, role: WorkerRole, caps: Capabilit
         },
     }
 
-
-KEDA_API_VERSION = KEDA[0]
 
 
 def autoscaling_condition(svc: InferenceService, caps: Capabilities) -> dict[str, Any] | None:
