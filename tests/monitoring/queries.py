@@ -40,10 +40,24 @@ def dashboard_queries(rate_interval: str = "1m") -> list[Query]:
     return out
 
 
+_THRESHOLD = re.compile(r"\s*(>|<|==|!=|>=|<=)\s*[0-9.]+\s*$")
+
+
 def alert_queries() -> list[Query]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     return [Query(f"alert: {rule['alert']}", rule["expr"], alert=True)
             for group in groups for rule in group["rules"]]
+
+
+def alert_signals() -> list[Query]:
+    """Each alert's expression without its threshold: what it compares, which has data
+    whether or not the alert fires."""
+    out = []
+    for q in alert_queries():
+        signal = _THRESHOLD.sub("", q.expr.strip())
+        assert signal != q.expr.strip(), f"{q.where}: no threshold at the end"
+        out.append(Query(q.where.replace("alert:", "alert signal:"), signal))
+    return out
 
 
 def adapter_rules() -> list[dict]:  # type: ignore[type-arg]
