@@ -80,7 +80,10 @@ def load(url: str, stop: threading.Event, errors: list[str]) -> None:
 
 @pytest.fixture
 def baton_up(model_path: Path, tmp_path: Path) -> Iterator[Up]:
-    """`baton up` as `make run` starts it (the model_path fixture prepares the model)."""
+    """`baton up` as `make run` starts it (the model_path fixture prepares the model); only
+    when there is a Prometheus to scrape it."""
+    if binary("prometheus") is None:
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
     up = Up("builtin:smollm2-135m", tmp_path, "--kv-transfer", "tcp")
     try:
         up.wait_up()
@@ -92,8 +95,6 @@ def baton_up(model_path: Path, tmp_path: Path) -> Iterator[Up]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_query_returns_data_from_a_real_prometheus(baton_up: Up, tmp_path: Path) -> None:
-    if binary("prometheus") is None:
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
     scraped = targets(baton_up)
     assert sorted(t.labels["baton_dev_role"] for t in scraped) == ["decode", "prefill", "router"]
     (tmp_path / "prom").mkdir()
