@@ -157,6 +157,7 @@ class SchedulerStats:
     kv_all_free: bool = True
     disagg: DisaggStats | None = None
     prefix_cache: PrefixCacheStats | None = None  # None: the cache is off
+    queued_prompt_tokens: int = 0  # prompt tokens of the requests waiting in the scheduler
 
 
 @dataclass

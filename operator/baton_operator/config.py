@@ -19,6 +19,10 @@ class OperatorConfig:
     cluster_scanning: bool = True
     policy: PodPolicy = field(default_factory=PodPolicy)
     images: Images = field(default_factory=Images)  # chart values image.cpu / image.cuda
+    # What KEDA's Prometheus triggers query (chart value autoscaling.prometheusAddress);
+    # empty: serving-signal autoscaling goes through the custom metrics API only.
+    prometheus_url: str = ""
+    metrics_port: int = 0  # the operator's own /metrics (chart value metrics.operatorPort); 0: off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -32,4 +36,6 @@ class OperatorConfig:
             policy=PodPolicy.from_env(env),
             images=Images(cpu=env.get("BATON_OPERATOR_IMAGE") or Images.cpu,
                           cuda=env.get("BATON_OPERATOR_IMAGE_CUDA") or Images.cuda),
+            prometheus_url=env.get("BATON_OPERATOR_PROMETHEUS_URL", "").strip(),
+            metrics_port=int(env.get("BATON_OPERATOR_METRICS_PORT") or 0),
         )

@@ -2,18 +2,21 @@
 
 Every cause runs the same complete pass over the service, reading it afresh:
 - create / update / resume of an InferenceService;
-- any event of a child (Deployment, Service, Ingress, HPA, PDB, the router's ServiceAccount,
-  Role and RoleBinding), including its deletion, so a
+- any event of a child (Deployment, Service, Ingress, HPA, PDB, NetworkPolicy, the router's
+  ServiceAccount, Role and RoleBinding, a ScaledObject, a PodMonitor), including its deletion, so a
   hand edit or a deleted child is restored within seconds; and any event of an object that
   holds a child's name (a NameConflict clears as soon as it is deleted);
 - a resync timer, the safety net for anything missed.
 A spec that can never work gets Ready=False/InvalidSpec and a PermanentError (no retries);
-API trouble becomes a TemporaryError and kopf retries after a delay.
+API trouble becomes a TemporaryError and kopf retries after a delay. Each pass asks the API's
+discovery what the cluster serves (capabilities.py) and counts itself in the operator's
+metrics (metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
@@ -22,9 +25,11 @@ import kopf
 import urllib3
 
 from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
+from baton_operator.capabilities import probe
 from baton_operator.config import OperatorConfig
 from baton_operator.gates import Claims, Gates
 from baton_operator.kube import ApiError, Kube
+from baton_operator.metrics import METRICS
 from baton_operator.reconcile import PassResult, owner_of, run_pass
 from baton_operator.status import ready_event
 
@@ -38,7 +43,11 @@ CHILD_KINDS = (("apps", "v1", "deployments", "Deployment"), ("", "v1", "services
                ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
                ("", "v1", "serviceaccounts", "ServiceAccount"),
                ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
-               ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"))
+               ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+               # served only where KEDA / the Prometheus operator is installed: kopf watches
+               # them once their CRDs appear
+               ("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+               ("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor"))
 
 
 @kopf.on.startup()
@@ -52,6 +61,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = not CONFIG.cluster_scanning
     settings.watching.connect_timeout = 60
     settings.watching.server_timeout = 300
+    METRICS.serve(CONFIG.metrics_port)
     memo.kube = Kube.from_environment()
     memo.gates = Gates()
     memo.claims = Claims()
@@ -76,6 +86,12 @@ def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     _pass(memo, namespace or "default", name, skippable=True)
 
 
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(namespace: str | None, name: str, **_: Any) -> None:
+    """A deleted service leaves the operator's metrics (its children go by garbage collection)."""
+    METRICS.forget(namespace or "default", name)
+
+
 def child_handler(kind: str) -> Callable[..., None]:
     def child_changed(body: kopf.Body, name: str | None, namespace: str | None,
                       memo: kopf.Memo, **_: Any) -> None:
@@ -98,12 +114,18 @@ def _pass(memo: kopf.Memo, namespace: str, name: str, *, skippable: bool) -> Pas
     with memo.gates.turn((namespace, name), skippable=skippable) as mine:
         if not mine:
             return None
+        started = time.monotonic()
         with _api_errors():
             body = memo.kube.get(API_VERSION, KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 memo.claims.update(namespace, name, [])
+                METRICS.forget(namespace, name)
                 return None
-            result = run_pass(memo.kube, body, CONFIG.policy, CONFIG.images)
+            caps = probe(memo.kube, CONFIG.prometheus_url)
+            result = run_pass(memo.kube, body, CONFIG.policy, CONFIG.images, caps)
+    METRICS.on_pass(result.outcome, time.monotonic() - started)
+    status = result.status.new if result.status is not None else body.get("status") or {}
+    METRICS.set_phase(namespace, name, str(status.get("phase")))
     memo.claims.update(namespace, name, result.conflicts)
     _report(body, result)
     return result
@@ -132,7 +154,9 @@ def _api_errors() -> Iterator[None]:
     try:
         yield
     except ApiError as e:
+        METRICS.errors.inc()
         raise kopf.TemporaryError(f"Kubernetes API: {e}", delay=CONFIG.retry_seconds) from e
     except urllib3.exceptions.HTTPError as e:
+        METRICS.errors.inc()
         raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}",
                                   delay=CONFIG.retry_seconds) from e

@@ -25,8 +25,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Secret"): "secrets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     (API_VERSION, KIND): PLURAL,
 }
+UNSERVED = (404, 503)  # discovery: no such group/version, or its aggregated backend is down
 
 
 class ApiError(Exception):
@@ -62,6 +65,16 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    def discover(self, group_version: str) -> list[str] | None:
+        """The resources (plurals) an API group/version serves; None when it serves none."""
+        try:
+            found = self._call("GET", f"/apis/{group_version}")
+        except ApiError as e:
+            if e.status in UNSERVED:
+                return None
+            raise
+        return [str(r.get("name")) for r in found.get("resources") or []]
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]

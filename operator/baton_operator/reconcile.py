@@ -9,15 +9,22 @@ depends only on the cluster's state, whichever handler runs it and however often
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton_operator import API_VERSION, KIND
 from baton_operator.apply import NameConflict, apply, check_controller, delete_owned
-from baton_operator.builders import ChildKey, build_children, child_name, optional_children
+from baton_operator.builders import (
+    ChildKey,
+    autoscaling_condition,
+    build_children,
+    child_name,
+    optional_children,
+)
 from baton_operator.builders.access import router_account
 from baton_operator.builders.cluster_key import build_cluster_key, ensure_cluster_key
+from baton_operator.capabilities import Capabilities
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
 from baton_operator.spec import ROLES, Images, InferenceService, InvalidSpec, parse_service
@@ -55,14 +62,25 @@ class PassResult:
     status: StatusChange | None = None
 
     @property
+    def outcome(self) -> str:
+        """ok | invalid (the spec) | rejected (a child, by the API server) | conflict."""
+        if self.invalid:
+            return "invalid"
+        if self.rejected:
+            return "rejected"
+        return "conflict" if self.conflicts else "ok"
+
+    @property
     def rejected(self) -> list[Problem]:
         return [p for p in self.problems if p.reason == "InvalidSpec"]
 
 
 def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
-             images: Images | None = None) -> PassResult:
+             images: Images | None = None, caps: Capabilities | None = None) -> PassResult:
     """Converge the children of the service in `body` (fresh from the API) and its status;
-    `images`: what its pods run unless the spec names an image."""
+    `images`: what its pods run unless the spec names an image; `caps`: what the cluster
+    serves (KEDA, the custom metrics API, the Prometheus operator), asked this pass."""
+    caps = caps or Capabilities()
     try:
         svc = parse_service(body, images)
         check_policy(svc, policy)
@@ -70,19 +88,22 @@ def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
         result = PassResult(invalid=str(e))
         result.status = publish_invalid(kube, body, str(e))
         return result
-    result = reconcile_children(kube, svc, policy)
+    result = reconcile_children(kube, svc, policy, caps)
     deployments: dict[str, Mapping[str, Any] | None] = {
         role: result.deployments.get(child_name(svc, role)) for role in ROLES}
-    result.status = publish_status(kube, body, svc, deployments, result.problems)
+    extra = autoscaling_condition(svc, caps)
+    result.status = publish_status(kube, body, svc, deployments, result.problems,
+                                   [extra] if extra else [])
     return result
 
 
-def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> PassResult:
+def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy,
+                       caps: Capabilities | None = None) -> PassResult:
     """Create or restore every wanted child we may write; delete optional ones we own and no
     longer want. Conflicts and rejections are collected; other API errors propagate."""
     result = PassResult()
     _ensure_key(kube, svc, result)
-    children = build_children(svc)
+    children = build_children(svc, caps)
     # The router runs as the ServiceAccount this service owns; no template can name it.
     router = dataclasses.replace(
         policy, service_accounts=policy.service_accounts | {router_account(svc)})
@@ -94,7 +115,7 @@ def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy) -> 
     for child in children:
         _apply_child(kube, child, svc, untrusted, result)
     wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
-    for api_version, kind, name in optional_children(svc):
+    for api_version, kind, name in optional_children(svc, caps):
         if (api_version, kind, name) not in wanted and delete_owned(
                 kube, api_version, kind, svc.namespace, name, svc.uid):
             result.changes.append(Change(kind, name, "deleted"))
@@ -140,11 +161,13 @@ def _apply_child(kube: Kube, child: Mapping[str, Any], svc: InferenceService,
 
 def publish_status(kube: Kube, body: Mapping[str, Any], svc: InferenceService,
                    deployments: Mapping[str, Mapping[str, Any] | None],
-                   problems: list[Problem]) -> StatusChange | None:
+                   problems: list[Problem], extra: Sequence[Mapping[str, Any]] = ()
+                   ) -> StatusChange | None:
     """Recompute the status from the pools' Deployments (only those this pass found ours:
-    a name held by someone else counts as no Deployment); write it only when it changed."""
+    a name held by someone else counts as no Deployment) and the `extra` conditions; write
+    it only when it changed."""
     previous = dict(body.get("status") or {})
-    new = compute_status(svc, deployments, previous, svc.generation, problems)
+    new = compute_status(svc, deployments, previous, svc.generation, problems, extra=extra)
     return _write(kube, svc.namespace, svc.name, previous, new)
 
 

@@ -49,7 +49,15 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 # dns: it re-resolves the pools' headless Services (no API access, no readiness from the API).
 ROUTER_DISCOVERY = ("kubernetes", "dns")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-METRICS = ("cpu", "memory")
+# cpu | memory: a resource HPA on utilization; the serving signals (builders/autoscaling.py):
+# queue = prompt tokens waiting per pod, kv = KV cache use, ttft / itl = p90 latencies.
+METRICS = ("cpu", "memory", "queue", "kv", "ttft", "itl")
+PERCENT_METRICS = ("cpu", "memory", "kv")  # target: percent, 1..100
+# default target per metric: percent, tokens (queue) or milliseconds (ttft, itl)
+TARGETS = {"cpu": 80, "memory": 80, "kv": 80, "queue": 2048, "ttft": 1000, "itl": 100}
+DEFAULT_METRIC = {"prefill": "queue", "decode": "kv"}
+# a prefill server makes one token per request: it has no inter-token latency
+NO_SIGNAL = {("prefill", "itl")}
 
 _LONGEST_SUFFIX = len("-prefill")
 
@@ -127,6 +135,8 @@ class Ingress:
 
 @dataclass(frozen=True)
 class Autoscale:
+    """`spec.autoscaling.<pool>`; `target` is in the metric's unit (see TARGETS)."""
+
     min: int
     max: int
     metric: str = "cpu"
@@ -327,10 +337,11 @@ def _autoscaling(raw: Mapping[str, Any]) -> dict[str, Autoscale]:
         high = integer(scale.get("max"), f"{where}.max", minimum=1)
         if low > high:
             raise InvalidSpec(f"{where}: min ({low}) must not exceed max ({high})")
-        target = integer(scale.get("target", 80), f"{where}.target", minimum=1)
-        if target > 100:
-            raise InvalidSpec(f"{where}.target {target}: a utilization percentage, 1..100")
-        metric = choice(scale.get("metric", "cpu"), f"{where}.metric", METRICS)
+        metric = choice(scale.get("metric", DEFAULT_METRIC[role]), f"{where}.metric",
+                        tuple(m for m in METRICS if (role, m) not in NO_SIGNAL))
+        target = integer(scale.get("target", TARGETS[metric]), f"{where}.target", minimum=1)
+        if metric in PERCENT_METRICS and target > 100:
+            raise InvalidSpec(f"{where}.target {target}: {metric} takes a percentage, 1..100")
         result[role] = Autoscale(min=low, max=high, metric=metric, target=target)
     return result
 

@@ -96,8 +96,10 @@ class PoolState:
 
 def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], observed_generation: int,
-                   problems: Sequence[Problem] = (), now: str | None = None) -> dict[str, Any]:
-    """The whole `status` of a valid service, from the Deployments it controls."""
+                   problems: Sequence[Problem] = (), now: str | None = None,
+                   extra: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The whole `status` of a valid service, from the Deployments it controls; `extra`:
+    conditions decided elsewhere (Autoscaling), appended as they are."""
     pools = {role: PoolState.from_deployment(role, deployments.get(role), _fallback(svc, role))
              for role in ROLES}
     summary = ", ".join(pool.describe() for pool in pools.values())
@@ -116,6 +118,7 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
           for role, pool in pools.items()),
         progressing,
         _degraded(failures, lost),
+        *(dict(c) for c in extra),
     ]
     return {
         "phase": _phase(pools, ready, bool(problems), bool(failures or lost)),

@@ -286,6 +286,7 @@ class SchedulerLoop:
             kv_all_free=self.runner.kv.is_all_free(),
             disagg=self.role.stats.take() if self.role.stats is not None else None,
             prefix_cache=self._cache_stats(),
+            queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
         )
 
     def _cache_stats(self) -> PrefixCacheStats | None:

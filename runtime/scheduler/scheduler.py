@@ -150,6 +150,10 @@ class Scheduler:
         out, self._handed_off = self._handed_off, []
         return out
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the waiting requests: the prefill work not yet started."""
+        return sum(len(r.origin_input_ids) for r in self.waiting)
+
     def requests(self) -> list[Req]:
         """Every unfinished request this scheduler holds (waiting, prefilling, decoding)."""
         held = [*self.waiting, *self.running.reqs, *self._handed_off]

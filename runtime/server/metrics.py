@@ -108,6 +108,9 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.queue_depth = Gauge("baton_queue_depth", "Requests waiting in the scheduler", registry=r)
+        self.queued_prompt_tokens = Gauge(
+            "baton_queued_prompt_tokens", "Prompt tokens of the requests waiting in the "
+            "scheduler (a prefill pool's load: the autoscaler's default signal)", registry=r)
         self.running = Gauge("baton_running_requests", "Requests running in the scheduler", registry=r)
         self.inflight = Gauge("baton_inflight_requests", "Requests the HTTP side awaits", registry=r)
         self.kv_used = Gauge("baton_kv_used_tokens", "KV slots in use (page granular)", registry=r)
@@ -140,6 +143,7 @@ class Metrics:
 
     def set_stats(self, stats: SchedulerStats) -> None:
         self.queue_depth.set(stats.num_waiting)
+        self.queued_prompt_tokens.set(stats.queued_prompt_tokens)
         self.running.set(stats.num_running)
         self.kv_used.set(stats.kv_used_pages * stats.page_size)
         self.kv_total.set(stats.kv_total_pages * stats.page_size)

@@ -3,6 +3,7 @@ the watched namespace, the pod policy, the image tag and the extra CLI flags it 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from typing import Any
 
@@ -48,6 +49,9 @@ NAMESPACED_RULES = {
     ("", "pods"): {"get", "list", "watch"},  # only to grant them to the router's Role
     ("", "events"): {"create"},
     ("", "secrets"): {"get", "create"},  # each service's cluster key; no list/watch of Secrets
+    # serving-signal scalers and scrape targets, where KEDA / the Prometheus operator exist
+    ("keda.sh", "scaledobjects"): OPTIONAL_CHILD_VERBS,
+    ("monitoring.coreos.com", "podmonitors"): CHILD_VERBS,
 }
 
 
@@ -107,7 +111,9 @@ def test_pod_policy_values_reach_the_operator(render: Render):
     policy = OperatorConfig.from_env(env).policy
     assert policy == PodPolicy(allow_host_path=True, service_accounts=frozenset({"a", "b"}))
     defaults = {e["name"]: e["value"] for e in operator_container(render())["env"]}
-    assert OperatorConfig.from_env(defaults) == OperatorConfig()
+    assert OperatorConfig.from_env(defaults) == dataclasses.replace(
+        OperatorConfig(), prometheus_url="http://prometheus-operated.monitoring.svc:9090",
+        metrics_port=8081)
 
 
 @pytest.mark.parametrize("tag", [1, 1.5, "1.10"])

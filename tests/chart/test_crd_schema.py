@@ -116,7 +116,7 @@ def test_defaults_follow_the_contract(crd_schema):
     )
     assert obj["spec"]["model"]["tokenSecretRef"] == {"name": "hf", "key": "token"}
     assert obj["spec"]["autoscaling"] == {
-        "decode": {"min": 1, "max": 4, "metric": "cpu", "target": 80}
+        "decode": {"min": 1, "max": 4, "metric": "kv"}  # the target: the operator's per metric
     }
 
 
@@ -243,7 +243,7 @@ def test_bad_sample_is_rejected(crd_schema, sample):
         (
             {
                 "model": {"uri": "builtin:x"},
-                "autoscaling": {"prefill": {"min": 1, "max": 2, "target": 101}},
+                "autoscaling": {"prefill": {"min": 1, "max": 2, "target": 0}},
             },
             "spec.autoscaling.prefill.target",
         ),
@@ -251,6 +251,13 @@ def test_bad_sample_is_rejected(crd_schema, sample):
             {
                 "model": {"uri": "builtin:x"},
                 "autoscaling": {"prefill": {"min": 1, "max": 2, "metric": "gpu"}},
+            },
+            "spec.autoscaling.prefill.metric",
+        ),
+        (  # a prefill server makes one token per request: no inter-token latency
+            {
+                "model": {"uri": "builtin:x"},
+                "autoscaling": {"prefill": {"min": 1, "max": 2, "metric": "itl"}},
             },
             "spec.autoscaling.prefill.metric",
         ),
@@ -267,5 +274,10 @@ def test_autoscaling_min_not_above_max_is_a_cel_rule(crd_schema):
     for role in ("prefill", "decode"):
         node = crd_schema["properties"]["spec"]["properties"]["autoscaling"]["properties"][role]
         assert node["x-kubernetes-validations"] == [
-            {"rule": "self.min <= self.max", "message": "min must not exceed max"}
+            {"rule": "self.min <= self.max", "message": "min must not exceed max"},
+            {"rule": "!has(self.target) || self.target <= 100 || "
+                     "self.metric in ['queue', 'ttft', 'itl']",
+             "message": "cpu, memory and kv targets are percentages (1..100)"},
         ]
+        assert node["properties"]["metric"]["default"] == {"prefill": "queue",
+                                                            "decode": "kv"}[role]

@@ -151,7 +151,8 @@ def test_operator_runs_the_contract_command_with_liveness(render: Render):
         "--standalone",
         "--liveness=http://0.0.0.0:8080/healthz",
     ]
-    assert container["ports"] == [{"name": "health", "containerPort": 8080}]
+    assert container["ports"] == [{"name": "health", "containerPort": 8080},
+                                  {"name": "metrics", "containerPort": 8081}]
     probe = container["livenessProbe"]
     assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
     assert deployment["spec"]["replicas"] == 1

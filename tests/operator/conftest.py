@@ -6,6 +6,8 @@ import os
 
 # Read once when kopf loads the handlers: retry transient API errors after 1 s, not 15 s.
 os.environ.setdefault("BATON_OPERATOR_RETRY_SECONDS", "1")
+# What KEDA's triggers would query (tests/operator/test_operator_scalers.py).
+os.environ.setdefault("BATON_OPERATOR_PROMETHEUS_URL", "http://prometheus.test:9090")
 
 from collections.abc import Iterator
 from contextlib import contextmanager

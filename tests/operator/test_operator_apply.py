@@ -99,7 +99,7 @@ def test_booleans_are_not_numbers() -> None:
 
 def test_fields_we_stopped_rendering_are_removed_but_replicas_are_handed_to_the_hpa() -> None:
     before = build_deployment(service(prefill={"nodeSelector": {"gpu": "a"}}), "prefill")
-    after = build_deployment(service(autoscaling={"prefill": {"min": 1, "max": 3}}), "prefill")
+    after = build_deployment(service(autoscaling={"prefill": {"min": 1, "max": 3, "metric": "cpu"}}), "prefill")
     live = live_copy(before)
     live["spec"]["replicas"] = 3  # the HPA scaled it
     patch = removal_patch(before, after, live)

@@ -16,6 +16,7 @@ from baton_operator.builders import (
     build_pdb,
     build_router_service,
 )
+from baton_operator.capabilities import Capabilities
 from baton_operator.spec import InferenceService, parse_service
 
 UID = "6a1f0c7e-0000-4000-8000-000000000001"
@@ -396,7 +397,8 @@ def test_rollout_strategy_and_replicas() -> None:
 
 def test_every_child_is_owned_and_labelled() -> None:
     svc = service(ingress={"host": "llm.example.com"},
-                  autoscaling={"prefill": {"min": 1, "max": 4}, "decode": {"min": 2, "max": 8}},
+                  autoscaling={"prefill": {"min": 1, "max": 4, "metric": "cpu"},
+                               "decode": {"min": 2, "max": 8, "metric": "memory"}},
                   router={"replicas": 2})
     children = build_children(svc)
     assert len(children) == 6 + 3 + 1 + 2 + 3 + 3
@@ -469,7 +471,7 @@ def test_ingress_without_tls_or_class() -> None:
 
 def test_autoscaling_hands_replicas_to_the_hpa() -> None:
     svc = service(autoscaling={"decode": {"min": 2, "max": 6, "metric": "memory", "target": 70}})
-    hpa = build_hpa(svc, "decode")
+    hpa = build_hpa(svc, "decode", Capabilities())
     assert hpa is not None
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"] == {
@@ -479,7 +481,7 @@ def test_autoscaling_hands_replicas_to_the_hpa() -> None:
             "name": "memory", "target": {"type": "Utilization", "averageUtilization": 70}}}]}
     assert "replicas" not in build_deployment(svc, "decode")["spec"]
     assert build_deployment(svc, "prefill")["spec"]["replicas"] == 1
-    assert build_hpa(svc, "prefill") is None
+    assert build_hpa(svc, "prefill", Capabilities()) is None
 
 
 def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
@@ -511,8 +513,11 @@ def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
                        "metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8",
                                                     "except": ["10.1.0.0/16"]}}]}},
 ], ids=["defaults", "hf-ingress-autoscaling", "pvc", "file", "tcp-auth-fenced"])
-def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any]) -> None:
-    for child in build_children(service(**spec)):
+@pytest.mark.parametrize("caps", [Capabilities(), Capabilities(custom_metrics=True)],
+                         ids=["bare-cluster", "custom-metrics"])
+def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any],
+                                                      caps: Capabilities) -> None:
+    for child in build_children(service(**spec), caps):
         kubernetes_validate.validate(child, "1.30", strict=True)
 
 

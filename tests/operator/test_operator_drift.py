@@ -24,7 +24,7 @@ from tests.kube.kubectl_tool import run_kubectl
 pytestmark = pytest.mark.timeout(120)
 RESTORE_WITHIN = 10.0
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
-        "autoscaling": {"prefill": {"min": 1, "max": 3}}}
+        "autoscaling": {"prefill": {"min": 1, "max": 3, "metric": "cpu"}}}
 
 
 def spec_of(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:

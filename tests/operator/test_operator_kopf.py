@@ -108,7 +108,7 @@ def test_spec_changes_roll_the_pods_and_add_or_remove_optional_children(
         wait_reconciled(cluster, "llm")
         services = {k: v for k, v in cluster.versions().items() if k[0] == "Service"}
         cluster.patch("llm", {"spec": {"image": "baton:0.2.0", "ingress": None,
-                                       "autoscaling": {"decode": {"min": 2, "max": 4}}}})
+                                       "autoscaling": {"decode": {"min": 2, "max": 4, "metric": "cpu"}}}})
         wait_reconciled(cluster, "llm", generation=2)
         children = cluster.children()
         for role in ("prefill", "decode", "router"):

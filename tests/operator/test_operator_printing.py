@@ -57,7 +57,7 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
             "template": {"metadata": {"labels": {"app": "x"}}, "spec": {"containers": []}}}})
     with operator():
         cluster.create(isvc("smollm2", decode={"replicas": 1},
-                            autoscaling={"decode": {"min": 2, "max": 6}}))
+                            autoscaling={"decode": {"min": 2, "max": 6, "metric": "cpu"}}))
         cluster.create(isvc("invalid", kvTransfer={"backend": "tcp"}, prefill={
             "template": {"spec": {"hostNetwork": True}}}))
         cluster.create(isvc("taken", router={"policy": "least_load"}))

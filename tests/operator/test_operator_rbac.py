@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from charts.manifests import render_chart
+from tests.kube import stand_in_apis
 from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
 from tests.kube.kmock_cluster import EmulatedCluster
 from tests.kube.kubectl_tool import run_kubectl
@@ -26,8 +27,9 @@ NEVER_REQUESTED = {("update", "baton.dev", "inferenceservices/finalizers")}
 # creator holds (the escalation check, which the emulated API does not run).
 GRANTED_TO_ROUTERS = {(verb, "", "pods") for verb in ("get", "list", "watch")}
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
-        "autoscaling": {"prefill": {"min": 1, "max": 3}}}
-TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
+        "autoscaling": {"prefill": {"min": 1, "max": 3, "metric": "cpu"},
+                        "decode": {"min": 1, "max": 4}}}  # kv: a ScaledObject (KEDA)
+TAMPER = [("deployment/llm-router", '{"spec":{"replicas":5}}'),
           ("service/llm", '{"spec":{"selector":{"app":"x"}}}'),
           ("ingress/llm", '{"spec":{"rules":[{"host":"evil.example.com"}]}}'),
           ("horizontalpodautoscalers.v2.autoscaling/llm-prefill",  # not the preferred v1
@@ -37,7 +39,9 @@ TAMPER = [("deployment/llm-decode", '{"spec":{"replicas":5}}'),
           ("role/llm-router", '{"rules":[{"apiGroups":[""],"resources":["secrets"],'
                               '"verbs":["get"]}]}'),
           ("rolebinding/llm-router", '{"subjects":[{"kind":"User","name":"mallory"}]}'),
-          ("serviceaccount/llm-router", '{"automountServiceAccountToken":true}')]
+          ("serviceaccount/llm-router", '{"automountServiceAccountToken":true}'),
+          ("scaledobject/llm-decode", '{"spec":{"maxReplicaCount":9}}'),
+          ("podmonitor/llm", '{"spec":{"podTargetLabels":[]}}')]
 
 
 def install(emulated: EmulatedCluster, values: dict[str, Any], tmp: Path) -> dict[str, Any]:
@@ -46,6 +50,8 @@ def install(emulated: EmulatedCluster, values: dict[str, Any], tmp: Path) -> dic
     docs = [yaml.safe_load(text) for text in render_chart(values).values()]
     cluster_admin = Cluster(RELEASE_NAMESPACE)
     cluster_admin.create_namespace()
+    for api in ("keda", "prometheus-operator"):  # the operator writes their kinds too
+        stand_in_apis.install(cluster_admin.client, api)
     rbac = tmp / "rbac.yaml"
     rbac.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] != "Deployment"]))
     run_kubectl("--validate=false", "apply", "-f", str(rbac), namespace=None)
@@ -86,6 +92,8 @@ def life_of_a_service(cluster: Cluster) -> None:
                                    "decode": {"replicas": 1}, "router": {"discovery": "dns"},
                                    "networkPolicy": {"enabled": False}}})
     wait_for(lambda: len(cluster.children()) == 6, 10, "optional children deleted")
+    wait_for(lambda: stand_in_apis.get(cluster.custom, "keda", NAMESPACE, "llm-decode") is None,
+             10, "the ScaledObject deleted")
     wait_for(lambda: not any(n.endswith("/llm-router") for n in run_kubectl(
         "get", "serviceaccounts,roles,rolebindings", "-o", "name").split()), 10,
         "the router's ServiceAccount, Role and RoleBinding deleted")

@@ -89,13 +89,15 @@ app.kubernetes.io/component: operator
 # The children: written and watched (drift is restored within seconds). Deployments and
 # Services go with their service (garbage collection); the optional kinds are deleted when
 # the spec drops them (the router's ServiceAccount, Role and RoleBinding exist only with
-# spec.router.discovery: kubernetes).
-{{- range list (list "apps" "deployments") (list "" "services") }}
+# spec.router.discovery: kubernetes). ScaledObjects and PodMonitors only where KEDA and the
+# Prometheus operator are installed (the operator asks the API's discovery, which needs no
+# rule); a PodMonitor goes with its service, as Deployments do.
+{{- range list (list "apps" "deployments") (list "" "services") (list "monitoring.coreos.com" "podmonitors") }}
 - apiGroups: [{{ index . 0 | quote }}]
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch]
 {{- end }}
-{{- range list (list "networking.k8s.io" "ingresses") (list "networking.k8s.io" "networkpolicies") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") (list "" "serviceaccounts") (list "rbac.authorization.k8s.io" "roles") (list "rbac.authorization.k8s.io" "rolebindings") }}
+{{- range list (list "networking.k8s.io" "ingresses") (list "keda.sh" "scaledobjects") (list "networking.k8s.io" "networkpolicies") (list "autoscaling" "horizontalpodautoscalers") (list "policy" "poddisruptionbudgets") (list "" "serviceaccounts") (list "rbac.authorization.k8s.io" "roles") (list "rbac.authorization.k8s.io" "rolebindings") }}
 - apiGroups: [{{ index . 0 | quote }}]
   resources: [{{ index . 1 }}]
   verbs: [get, list, watch, create, patch, delete]

@@ -1,11 +1,14 @@
-"""Deployments, HorizontalPodAutoscalers and PodDisruptionBudgets of the three pools."""
+"""Deployments and PodDisruptionBudgets of the three pools (autoscalers: autoscaling.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from baton_operator.builders.autoscaling import autoscaled
 from baton_operator.builders.common import child_name, metadata, selector_labels
+from baton_operator.builders.monitoring import scrape_annotations
 from baton_operator.builders.pods import build_router_pod, build_worker_pod
+from baton_operator.capabilities import Capabilities
 from baton_operator.spec import InferenceService, Role
 
 # Workers load a model before they turn ready; give a rollout that long before it is stuck.
@@ -13,8 +16,10 @@ WORKER_PROGRESS_DEADLINE = 1800
 ROUTER_PROGRESS_DEADLINE = 600
 
 
-def build_deployment(svc: InferenceService, role: Role) -> dict[str, Any]:
-    """A pool's Deployment. With autoscaling on, `spec.replicas` is left to the HPA."""
+def build_deployment(svc: InferenceService, role: Role,
+                     caps: Capabilities | None = None) -> dict[str, Any]:
+    """A pool's Deployment. When its autoscaler exists, `spec.replicas` is left to it; an
+    autoscaled pool that nothing can scale on this cluster (`caps`) keeps `min`."""
     surge: int | str
     unavailable: int | str
     if role == "router":
@@ -25,6 +30,8 @@ def build_deployment(svc: InferenceService, role: Role) -> dict[str, Any]:
         template = build_worker_pod(svc, role)
         surge, unavailable = pool.max_surge, pool.max_unavailable
         deadline = WORKER_PROGRESS_DEADLINE
+    caps = caps or Capabilities()
+    scrape_annotations(template, caps)
     spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(svc, role)},
         "strategy": {"type": "RollingUpdate",
@@ -33,32 +40,13 @@ def build_deployment(svc: InferenceService, role: Role) -> dict[str, Any]:
         "progressDeadlineSeconds": deadline,
         "template": template,
     }
-    if role not in svc.autoscaling:
-        spec = {"replicas": svc.replicas(role), **spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": metadata(svc, child_name(svc, role), role), "spec": spec}
-
-
-def build_hpa(svc: InferenceService, role: Role) -> dict[str, Any] | None:
-    """autoscaling/v2 HPA on average CPU or memory utilization; None when not autoscaled."""
     scale = svc.autoscaling.get(role)
     if scale is None:
-        return None
-    name = child_name(svc, role)
-    metric = {"type": "Resource", "resource": {
-        "name": scale.metric,
-        "target": {"type": "Utilization", "averageUtilization": scale.target}}}
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": metadata(svc, name, role),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicas": scale.min,
-            "maxReplicas": scale.max,
-            "metrics": [metric],
-        },
-    }
+        spec = {"replicas": svc.replicas(role), **spec}
+    elif not autoscaled(svc, role, caps):
+        spec = {"replicas": scale.min, **spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(svc, child_name(svc, role), role), "spec": spec}
 
 
 def build_pdb(svc: InferenceService, role: Role) -> dict[str, Any] | None:
