@@ -161,6 +161,9 @@ class DisaggConfig:
         metadata=_help("address peers reach this server's KV endpoint on (default: $POD_IP, "
                        "else --host unless it is a wildcard, else this host's name)"),
     )
+    allow_local_prefill: bool = field(default=False, metadata=_help(
+        "decode: also serve a request that comes without bootstrap fields, prefilling it here "
+        "(the router's --fallback colocated, when no prefill can take it)"))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
 
 KV_BACKENDS = ("nixl", "tcp")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
+# with no prefill to pair: a 503 (fail), or the decodes prefill locally (colocated)
+ROUTER_FALLBACKS = ("fail", "colocated")
 # kubernetes: the router reads Ready pods through the API (its own ServiceAccount and Role);
 # dns: it re-resolves the pools' headless Services (no API access, no readiness from the API).
 ROUTER_DISCOVERY = ("kubernetes", "dns")
@@ -109,6 +111,7 @@ class RouterPool:
     replicas: int = 1
     policy: str = "cache_aware"
     discovery: str = "kubernetes"
+    fallback: str = "fail"
     resources: Mapping[str, Any] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
@@ -287,6 +290,7 @@ def _router(raw: Any, where: str) -> RouterPool:
         policy=choice(router.get("policy", "cache_aware"), f"{where}.policy", ROUTER_POLICIES),
         discovery=choice(router.get("discovery", "kubernetes"), f"{where}.discovery",
                          ROUTER_DISCOVERY),
+        fallback=choice(router.get("fallback", "fail"), f"{where}.fallback", ROUTER_FALLBACKS),
         resources=mapping(router.get("resources"), f"{where}.resources"),
         args=strings(router.get("args"), f"{where}.args"),
         env=env_vars(router.get("env"), f"{where}.env"),

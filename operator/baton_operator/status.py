@@ -118,6 +118,7 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
           for role, pool in pools.items()),
         progressing,
         _degraded(failures, lost),
+        _disaggregation(svc, pools),
         *(dict(c) for c in extra),
     ]
     return {
@@ -209,6 +210,23 @@ def _degraded(failures: list[str], lost: list[str]) -> dict[str, Any]:
         return _condition("Degraded", True, "PodsLost",
                           "; ".join(lost) + " after the rollout completed")
     return _condition("Degraded", False, "AsExpected", "no pool reports a failed rollout")
+
+
+def _disaggregation(svc: InferenceService, pools: Mapping[Role, PoolState]) -> dict[str, Any]:
+    """DisaggregationDegraded: True while requests cannot be disaggregated (no prefill pod is
+    ready while decodes are): with `spec.router.fallback: colocated` the decodes then prefill
+    locally (the router counts it in baton_router_pd_fallback_total), with `fail` the router
+    refuses them (503). A PD service never degrades silently."""
+    prefill, decode = pools["prefill"], pools["decode"]
+    if prefill.ready > 0 or decode.ready == 0:
+        return _condition("DisaggregationDegraded", False, "Disaggregated",
+                          f"{prefill.ready} prefill pod(s) ready")
+    if svc.router.fallback == "colocated":
+        return _condition("DisaggregationDegraded", True, "DecodesPrefillLocally",
+                          "no prefill pod is ready: the decodes prefill requests themselves")
+    return _condition("DisaggregationDegraded", True, "NoPrefill",
+                      "no prefill pod is ready: the router refuses requests (503); "
+                      "spec.router.fallback: colocated would serve them from the decodes")
 
 
 def _rolled_out(conditions: list[Mapping[str, Any]]) -> bool:

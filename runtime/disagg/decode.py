@@ -88,6 +88,10 @@ class DecodeRole(Generic[R]):
         self._aborted: list[R] = []
 
     def add(self, req: R) -> None:
+        if self.config.allow_local_prefill and req.bootstrap_room is None \
+                and req.bootstrap_host is None:
+            self.scheduler.add_request(req)  # prefilled here (the router's fallback)
+            return
         if req.bootstrap_room is None or not req.bootstrap_host or req.bootstrap_port is None:
             raise RoomError("a decode server needs bootstrap_host, bootstrap_port and "
                             "bootstrap_room (send requests through `baton router`)")

@@ -115,15 +115,16 @@ class Router:
 
     def route(self, req: RoutedRequest, avoid_workers: set[Worker] | None = None,
               avoid_pairs: set[tuple[Worker, Worker]] | None = None,
-              ) -> tuple[RoutedRequest, Worker, Worker]:
+              ) -> tuple[RoutedRequest, Worker | None, Worker]:
         """A pair for `req` by policy, and `req` signed for it. Pairs are taken from the first
         of these that has one: those neither quarantined nor avoided (by a retry), those not
         quarantined, any that can exchange KV (a quarantine steers requests to a pair's other
-        partners; it never refuses a request that only that pair can take)."""
+        partners; it never refuses a request that only that pair can take). With no pair at
+        all: the fallback (a decode alone, no prefill) or a 503 naming the cause."""
         prefill, decode = self.workers.pairable()
-        if not (prefill and decode):
-            raise unavailable(self.workers.unready_reason() or "no ready pair of workers")
         avoided, pairs = avoid_workers or set(), avoid_pairs or set()
+        if not (prefill and decode):
+            return req, None, self._fallback(avoided)
 
         def healthy(p: Worker, d: Worker) -> bool:
             return same_kv(p, d) and self.pairs.usable(p, d)
@@ -137,6 +138,29 @@ class Router:
         p, d = self.policy.pick(prefill, decode, ids, allowed)
         log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
         return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
+
+    def _fallback(self, avoided: set[Worker]) -> Worker:
+        """`--fallback colocated`: a ready decode that prefills requests itself."""
+        reason = self.workers.unready_reason() or "no ready pair of workers"
+        if self.config.fallback != "colocated":
+            raise unavailable(reason)
+        local = [d for d in self.workers.decode.ready() if d.local_prefill]
+        if not local:
+            raise unavailable(f"{reason}; and no ready decode prefills locally (start them with "
+                              "--allow-local-prefill for --fallback colocated)")
+        decode = least_loaded([d for d in local if d not in avoided] or local)
+        self.metrics.on_fallback()
+        log.debug("no prefill to pair (%s): decode %s prefills the request itself", reason,
+                 decode.url)
+        return decode
+
+    def degraded(self) -> str | None:
+        """Why requests go to decodes alone now (None: they are disaggregated)."""
+        if self.config.fallback != "colocated" or all(self.workers.pairable()):
+            return None
+        if not any(d.local_prefill for d in self.workers.decode.ready()):
+            return None
+        return self.workers.unready_reason()
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
@@ -186,6 +210,10 @@ class Router:
 
     def readiness(self) -> JSONResponse:
         counts = {role: len(self.workers.pool(role).ready()) for role in ("prefill", "decode")}
+        degraded = self.degraded()
+        if degraded is not None:  # serving, without disaggregation
+            return JSONResponse({"status": "ready", "ready_workers": counts,
+                                 "degraded": f"decodes prefill locally: {degraded}"})
         reason = self.workers.unready_reason()
         if reason is not None:
             err = unavailable(f"not ready: {reason}", code="not_ready")

@@ -17,6 +17,7 @@ from runtime.auth.key import load_cluster_key
 from runtime.router.config import (
     DEFAULT_BOOTSTRAP_PORT,
     DISCOVERY_MODES,
+    FALLBACKS,
     POLICIES,
     ROLES,
     DnsName,
@@ -80,6 +81,11 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     _seconds(p, "--dns-refresh-s", DEFAULT.dns_refresh_s, "between DNS re-resolutions")
     _seconds(p, "--shutdown-grace-s", DEFAULT.shutdown_grace_s,
              "on SIGTERM, requests in flight get this long to finish")
+    p.add_argument("--fallback", choices=FALLBACKS, default=DEFAULT.fallback,
+                   help="when no prefill can take a request: fail (503 naming the cause) or "
+                   "colocated (a ready decode started with --allow-local-prefill prefills it "
+                   "itself; counted in baton_router_pd_fallback_total) "
+                   f"(default: {DEFAULT.fallback})")
     p.add_argument("--max-retries", type=_count, default=DEFAULT.max_retries,
                    help="a request that fails before anything reached the client (a worker "
                    "unreachable, a 5xx, a failed KV handoff) is tried again on another pair this "
@@ -152,7 +158,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_interval_s=ns.health_interval_s, health_timeout_s=ns.health_timeout_s,
         health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
-        max_retries=ns.max_retries, max_migrations=ns.max_migrations,
+        fallback=ns.fallback, max_retries=ns.max_retries, max_migrations=ns.max_migrations,
         retry_backoff_s=ns.retry_backoff_s,
         pair_failures=ns.pair_failures, pair_quarantine_s=ns.pair_quarantine_s,
         pair_max_quarantine_s=ns.pair_max_quarantine_s,

@@ -26,16 +26,19 @@ TRANSFER_FAILED = "kv_transfer_failed"  # a worker's code for a KV handoff that 
 
 
 class Attempt:
-    def __init__(self, proxy: Proxy, req: RoutedRequest, prefill: Worker, decode: Worker):
+    """One try; without a prefill (the router's fallback) D prefills the request itself."""
+
+    def __init__(self, proxy: Proxy, req: RoutedRequest, prefill: Worker | None, decode: Worker):
         self.proxy, self.req, self.p, self.d = proxy, req, prefill, decode
         self.started = time.monotonic()
         self.upstream: httpx.Response | None = None
         self.released = False
         # counted now, not when the tasks start, so the next pick already sees the load
-        proxy.enter(prefill)
         proxy.enter(decode)
-        self.prefill_task = proxy.spawn(self._call_prefill())
-        self.prefill_task.add_done_callback(lambda _: proxy.leave(prefill))
+        self.prefill_task = proxy.spawn(self._call_prefill(prefill))
+        if prefill is not None:
+            proxy.enter(prefill)
+            self.prefill_task.add_done_callback(lambda _: proxy.leave(prefill))
         self.decode_task = proxy.spawn(self._open_decode())
 
     async def answer(self, disconnect: asyncio.Task[None] | None) -> httpx.Response:
@@ -66,7 +69,8 @@ class Attempt:
         abort it got late could hit the client's next request of the same rid); a side that
         timed out is abandoned, so it is aborted too."""
         for worker in (self.p, self.d):
-            if failure is None or failure.reason == "timeout" or worker.role != failure.side:
+            if worker is not None and (failure is None or failure.reason == "timeout"
+                                       or worker.role != failure.side):
                 self.proxy.abort(worker, self.req.rid)
 
     def abort(self, failure: UpstreamFailure | None = None) -> None:
@@ -88,21 +92,24 @@ class Attempt:
             self.decode_task.cancel()
         self.proxy.leave(self.d)
 
-    async def _call_prefill(self) -> None:
-        body = self.req.for_prefill(self.p)
+    async def _call_prefill(self, p: Worker | None) -> None:
+        if p is None:
+            return
+        body = self.req.for_prefill(p)
         try:
-            r = await self.proxy.client.post(f"{self.p.url}{self.req.endpoint}", json=body,
+            r = await self.proxy.client.post(f"{p.url}{self.req.endpoint}", json=body,
                                              timeout=self.proxy.timeout)
         except httpx.HTTPError as e:
-            raise self.proxy.failed(self.p, e) from None
+            raise self.proxy.failed(p, e) from None
         if not r.is_success:
             raise self.proxy.count(UpstreamFailure.answered("prefill", r.status_code, r.content))
 
     async def _open_decode(self) -> httpx.Response:
         """D's response with its headers in and its body still to read (a 2xx only)."""
         client = self.proxy.client
-        request = client.build_request("POST", f"{self.d.url}{self.req.endpoint}",
-                                       json=self.req.for_decode(self.p), timeout=self.proxy.timeout)
+        body = self.req.for_local() if self.p is None else self.req.for_decode(self.p)
+        request = client.build_request("POST", f"{self.d.url}{self.req.endpoint}", json=body,
+                                       timeout=self.proxy.timeout)
         try:
             self.upstream = r = await client.send(request, stream=True)
         except httpx.HTTPError as e:

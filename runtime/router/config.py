@@ -12,6 +12,8 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 DiscoveryMode = Literal["flags", "kubernetes"]
 DISCOVERY_MODES: tuple[DiscoveryMode, ...] = ("flags", "kubernetes")
+Fallback = Literal["fail", "colocated"]
+FALLBACKS: tuple[Fallback, ...] = ("fail", "colocated")
 PolicyName = Literal["round_robin", "least_load", "cache_aware", "prefix"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "cache_aware", "prefix")
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -60,6 +62,7 @@ class RouterConfig:
     health_failures: int = 2  # unanswered polls in a row that take a ready worker out
     dns_refresh_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGTERM, streams in flight get this long to finish
+    fallback: Fallback = "fail"  # with no prefill to pair: a 503, or a decode prefills locally
     max_retries: int = 2  # tries on other pairs for a request that failed before its answer
     max_migrations: int = 3  # times a stream may move to another pair after its first byte
     retry_backoff_s: float = 0.05  # before the first retry; doubled for each next one

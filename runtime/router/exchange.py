@@ -42,7 +42,7 @@ from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 
 log = logging.getLogger("baton.router")
 Route = Callable[[RoutedRequest, set[Worker], set[tuple[Worker, Worker]]],
-                 tuple[RoutedRequest, Worker, Worker]]
+                 tuple[RoutedRequest, Worker | None, Worker]]  # no prefill: the fallback
 DONE_EVENT = DONE_BYTES.strip()
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ class Exchange:
     """One client request and its attempts."""
 
     def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
-                 prefill: Worker, decode: Worker):
+                 prefill: Worker | None, decode: Worker):
         self.proxy, self.pairs, self.route = proxy, pairs, route
         self.follower = _follower(req, proxy.config.max_migrations)
         if self.follower is not None and req.endpoint in (CHAT, COMPLETIONS):
@@ -163,8 +163,9 @@ class Exchange:
             self.proxy.metrics.on_request(self.req.endpoint, self.status)
             self.proxy.metrics.on_latency(self.req.endpoint, time.monotonic() - self.started)
 
-    def _start(self, req: RoutedRequest, prefill: Worker, decode: Worker) -> Attempt:
-        self.pairs.sent(prefill, decode)
+    def _start(self, req: RoutedRequest, prefill: Worker | None, decode: Worker) -> Attempt:
+        if prefill is not None:
+            self.pairs.sent(prefill, decode)
         return Attempt(self.proxy, req, prefill, decode)
 
     async def _answer(self, disconnect: asyncio.Task[None] | None,
@@ -175,7 +176,8 @@ class Exchange:
             attempt = self.attempt
             try:
                 upstream = await attempt.answer(disconnect)
-                self.pairs.succeeded(attempt.p, attempt.d, time.monotonic() - attempt.started)
+                if attempt.p is not None:
+                    self.pairs.succeeded(attempt.p, attempt.d, time.monotonic() - attempt.started)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     return upstream, None
                 content = await _until(self.proxy.spawn(attempt.read(upstream)), disconnect)
@@ -190,7 +192,9 @@ class Exchange:
                 self._next_try(f)
 
     def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
-        if blames_link(failure):
+        if attempt.p is None:
+            self.avoid_workers.add(attempt.d)
+        elif blames_link(failure):
             self.pairs.failed(attempt.p, attempt.d, str(failure.body.get("error", failure)))
             self.avoid_pairs.add((attempt.p, attempt.d))
         else:
@@ -216,8 +220,8 @@ class Exchange:
         except RouterError:
             raise failure from None
         log.info("%s: try %d on prefill %s, decode %s after %s %s: %s", self.req.rid,
-                 self.tries + 1, prefill.url, decode.url, failure.side, failure.reason,
-                 failure.code)
+                 self.tries + 1, prefill.url if prefill else "(none)", decode.url, failure.side,
+                 failure.reason, failure.code)
         self.proxy.metrics.on_retry(failure.side, failure.reason)
         self.attempt = self._start(req, prefill, decode)
 

@@ -57,7 +57,8 @@ class HealthChecker:
             ready, why = response.status_code == 200, f"status {response.status_code}"
             worker.unanswered = 0
             if ready:
-                worker.kv_transfer, worker.instance_id = _kv_transfer(response)
+                worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(
+                    response)
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -72,14 +73,15 @@ class HealthChecker:
         worker.ready = ready
 
 
-def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None]:
-    """A prefill/decode worker's backend and KV layout, and its instance id, from its /ready
-    body (None where absent)."""
+def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """A prefill/decode worker's backend and KV layout, its instance id (None where absent),
+    and whether it prefills requests without a room itself, from its /ready body."""
     try:
         body = response.json()
     except ValueError:
-        return None, None
+        return None, None, False
     if not isinstance(body, dict):
-        return None, None
+        return None, None, False
     kv, instance = body.get("kv_transfer"), body.get("instance_id")
-    return (kv if isinstance(kv, dict) else None), (instance if isinstance(instance, str) else None)
+    return ((kv if isinstance(kv, dict) else None),
+            (instance if isinstance(instance, str) else None), body.get("local_prefill") is True)

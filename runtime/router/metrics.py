@@ -50,6 +50,10 @@ class RouterMetrics:
             "baton_router_retries",
             "Requests tried again on another pair, by the failed side and reason",
             ["side", "reason"], registry=r)
+        self.fallbacks = Counter(
+            "baton_router_pd_fallback",
+            "Requests a decode prefilled itself because no prefill could take them "
+            "(--fallback colocated)", registry=r)
         self.migrations = Counter(
             "baton_router_migrations",
             "Streams moved to another pair after their first byte, by the decode's failure",
@@ -61,6 +65,9 @@ class RouterMetrics:
 
     def on_retry(self, side: str, reason: str) -> None:
         self.retries.labels(side=side, reason=reason).inc()
+
+    def on_fallback(self) -> None:
+        self.fallbacks.inc()
 
     def on_migration(self, reason: str) -> None:
         self.migrations.labels(reason=reason).inc()

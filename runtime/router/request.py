@@ -77,6 +77,10 @@ class RoutedRequest:
             body["bootstrap_ticket"] = self.ticket
         return body
 
+    def for_local(self) -> dict[str, Any]:
+        """The body for a decode that prefills it itself (the router's fallback): no room."""
+        return {k: v for k, v in self.body.items() if k != "bootstrap_room"}
+
     def for_prefill(self, prefill: Worker) -> dict[str, Any]:
         body = self.for_decode(prefill)
         body.pop("stream_options", None)

@@ -152,13 +152,22 @@ class TokenizerManager:
     def rooms(self, body: Bootstrap, choices: int) -> list[int | None]:
         """The request's bootstrap rooms, one per choice, once the router's ticket lets this
         worker serve them: a 400 when they are missing, a 401/403 for the ticket (checked
-        before anything is tokenized or allocated)."""
+        before anything is tokenized or allocated). A decode with --allow-local-prefill serves
+        a request without any bootstrap field as a colocated server does (no room, no ticket:
+        it touches no KV plane)."""
+        if self.local_prefill(body):
+            return [None] * choices
         rooms = body.rooms(self.args.role, choices)
         if self.tickets.required:
             me = self.info.instance_id if self.info is not None else None
             self.tickets.admit(body.bootstrap_ticket, [r for r in rooms if r is not None],
                                body.rid, body.bootstrap_host, body.bootstrap_port, me)
         return rooms
+
+    def local_prefill(self, body: Bootstrap) -> bool:
+        return (self.args.role == "decode" and self.args.disagg.allow_local_prefill
+                and body.bootstrap_room is None and body.bootstrap_host is None
+                and body.bootstrap_port is None)
 
     # ---- tokenization -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

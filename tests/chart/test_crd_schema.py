@@ -101,7 +101,8 @@ def test_defaults_follow_the_contract(crd_schema):
         "imagePullPolicy": "IfNotPresent",
         "prefill": POOL_DEFAULTS,
         "decode": POOL_DEFAULTS,
-        "router": {"replicas": 1, "policy": "cache_aware", "discovery": "kubernetes"},
+        "router": {"replicas": 1, "policy": "cache_aware", "fallback": "fail",
+                   "discovery": "kubernetes"},
         "kvTransfer": {"backend": "nixl"},
         "networkPolicy": {"enabled": True},
     }

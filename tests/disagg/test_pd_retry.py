@@ -42,21 +42,22 @@ class Deployment:
 
 
 def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
-           prefill_args: tuple[str, ...] = ()) -> Deployment:
+           prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+           router_args: tuple[str, ...] = ()) -> Deployment:
     env = {ENV: secrets.token_hex(32)}
     ports = [free_port() for _ in range(prefills)]
     ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", "tcp",
                         *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
                         model=str(model), env=env) for i, port in enumerate(ports)]
     ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", "0", *FAST,
-                        log_path=log_dir / f"decode{i}.log", model=str(model), env=env)
+                        *decode_args, log_path=log_dir / f"decode{i}.log", model=str(model), env=env)
           for i in range(decodes)]
     for srv in (*ps, *ds):
         srv.wait_ready()
     router = start_router(*(a for p, port in zip(ps, ports, strict=True)
                             for a in ("--prefill", f"{p.url},{port}")),
                           *(a for d in ds for a in ("--decode", d.url)), "--policy", "least_load",
-                          log_path=log_dir / "router.log", env=env)
+                          *router_args, log_path=log_dir / "router.log", env=env)
     return Deployment(ps, ds, router)
 
 
@@ -153,3 +154,20 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
                 .text.splitlines() if line.startswith("baton_router_migrations_total{"))
     assert moved >= 3, "the streams on the killed decode did not move"
     eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
+
+
+def test_with_every_prefill_gone_a_local_decode_answers(tiny_path: Path, tmp_path: Path) -> None:
+    """--fallback colocated: the decode (--allow-local-prefill) prefills itself, token-exact;
+    the router says it is degraded and counts it."""
+    dep = deploy(tiny_path, tmp_path, 1, 1, decode_args=("--allow-local-prefill",),
+                 router_args=("--fallback", "colocated"))
+    try:
+        disaggregated = asyncio.run(ask_all(dep.router.url, 4))
+        dep.prefills[0].kill()
+        eventually(lambda: "degraded" in httpx.get(f"{dep.router.url}/ready").json())
+        assert asyncio.run(ask_all(dep.router.url, 4)) == disaggregated
+        assert metric(dep.router.url, "baton_router_pd_fallback_total") == 4
+        assert "no ready prefill" in httpx.get(f"{dep.router.url}/ready").json()["degraded"]
+        eventually(lambda: kv_free(dep.decodes[0].url))
+    finally:
+        dep.stop()

@@ -70,13 +70,14 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
         "--prefill-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
         "baton.dev/role=prefill "
         "--decode-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
-        "baton.dev/role=decode --policy cache_aware --tokenizer builtin:smollm2-135m")
+        "baton.dev/role=decode --policy cache_aware --fallback fail --tokenizer "
+        "builtin:smollm2-135m")
     dns = service(router={"discovery": "dns"})
     assert command(build_deployment(dns, "router")) == cli(
         "baton router --host 0.0.0.0 --port 8000 "
         "--prefill-dns llm-prefill.ml.svc.cluster.local:8000:8998 "
         "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy cache_aware "
-        "--tokenizer builtin:smollm2-135m")
+        "--fallback fail --tokenizer builtin:smollm2-135m")
     hf = service(model={"uri": "hf://org/name"})  # not in the router's image: no tokenizer
     assert "--tokenizer" not in command(build_deployment(hf, "router"))
 
@@ -113,6 +114,21 @@ def test_the_router_command_parses_as_baton_router(discovery: str) -> None:
     if discovery == "kubernetes":
         assert config.namespace == "ml"
         assert config.decode_selector.endswith("baton.dev/role=decode")
+
+
+def test_fallback_colocated_lets_the_decodes_prefill_locally() -> None:
+    """spec.router.fallback: the router's --fallback, and --allow-local-prefill on the decodes
+    only; both parse as the runtime's own flags."""
+    from runtime.router.args import parse_router_args
+    from runtime.server.args import parse_server_args
+
+    svc = service(router={"fallback": "colocated"})
+    router = parse_router_args(command(build_deployment(svc, "router"))[2:])
+    assert router.fallback == "colocated"
+    decode = command(build_deployment(svc, "decode"))
+    assert parse_server_args(decode[2:]).disagg.allow_local_prefill is True
+    assert "--allow-local-prefill" not in command(build_deployment(svc, "prefill"))
+    assert "--allow-local-prefill" not in command(build_deployment(service(), "decode"))
 
 
 def test_the_router_reads_its_api_keys_from_the_secret_as_a_live_file(tmp_path: Path) -> None:
@@ -178,8 +194,9 @@ def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
     assert command(build_deployment(svc, "decode")) == cli(
         "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
         "--kv-port 8999 --kv-transfer tcp --served-model-name smol --max-running-requests 8")
-    assert command(build_deployment(svc, "router"))[-6:] == [
-        "--policy", "least_load", "--tokenizer", "builtin:smollm2-135m", "--log-level", "debug"]
+    assert command(build_deployment(svc, "router"))[-8:] == [
+        "--policy", "least_load", "--fallback", "fail", "--tokenizer", "builtin:smollm2-135m",
+        "--log-level", "debug"]
 
 
 MODEL_SOURCES = [  # spec.model.uri -> (--model in the pod, derived --served-model-name)

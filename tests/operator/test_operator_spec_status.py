@@ -134,7 +134,8 @@ def test_status_without_children_is_pending() -> None:
     assert all(c["observedGeneration"] == 2 and c["lastTransitionTime"] == "t0"
                for c in status["conditions"])
     assert {c["type"] for c in status["conditions"]} == {
-        "Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded"}
+        "Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded",
+        "DisaggregationDegraded"}
 
 
 def test_status_ready_when_every_pool_is_ready() -> None:
@@ -145,7 +146,8 @@ def test_status_ready_when_every_pool_is_ready() -> None:
     assert conditions(status) == {
         "Ready": ("True", "AllPoolsReady"), "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "ReplicasReady"), "RouterReady": ("True", "ReplicasReady"),
-        "Progressing": ("False", "Complete"), "Degraded": ("False", "AsExpected")}
+        "Progressing": ("False", "Complete"), "Degraded": ("False", "AsExpected"),
+        "DisaggregationDegraded": ("False", "Disaggregated")}
     assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
                                 "desiredReplicas": 2}
 
@@ -249,3 +251,24 @@ def ready(status: str, reason: str) -> dict[str, Any]:
 def test_events_warn_about_problems_and_report_progress_as_normal(
         old: dict[str, Any], new: dict[str, Any], event: tuple[str, str, str] | None) -> None:
     assert ready_event(old, new) == event
+
+
+@pytest.mark.parametrize("fallback", ["fail", "colocated"])
+def test_no_ready_prefill_is_a_disaggregation_degraded_condition(fallback: str) -> None:
+    svc = parse_service(body(router={"fallback": fallback}))
+    gone = {"prefill": deployment(1, 0), "decode": deployment(1, 1), "router": deployment(1, 1)}
+    reason = {"fail": "NoPrefill", "colocated": "DecodesPrefillLocally"}[fallback]
+    status = compute_status(svc, gone, {}, observed_generation=2, now="t0")
+    assert conditions(status)["DisaggregationDegraded"] == ("True", reason)
+    assert conditions(status)["Ready"][0] == "False"
+    back = {**gone, "prefill": deployment(1, 1)}
+    status = compute_status(svc, back, status, observed_generation=2, now="t1")
+    assert conditions(status)["DisaggregationDegraded"] == ("False", "Disaggregated")
+    nothing = {**gone, "decode": deployment(1, 0)}  # no decode either: nothing to degrade to
+    status = compute_status(svc, nothing, {}, observed_generation=2, now="t0")
+    assert conditions(status)["DisaggregationDegraded"][0] == "False"
+
+
+def test_a_bad_fallback_is_invalid() -> None:
+    with pytest.raises(InvalidSpec, match="spec.router.fallback"):
+        parse_service(body(router={"fallback": "maybe"}))

@@ -50,6 +50,7 @@ class FakeWorker:
         self.ready = True
         self.ready_delay_s = 0.0  # GET /ready answers this late
         self.kv_transfer: dict[str, Any] | None = None  # what its /ready shows, if anything
+        self.local_prefill = False  # a decode's /ready: it prefills requests without a room
         self.received: list[Received] = []
         self.aborts: list[str] = []
         self.sent_at: list[float] = []  # time.monotonic() of every streamed event
@@ -100,6 +101,8 @@ class FakeWorker:
             body: dict[str, Any] = {"ready": self.ready}
             if self.kv_transfer is not None:
                 body["kv_transfer"] = self.kv_transfer
+            if self.local_prefill:
+                body["local_prefill"] = True
             return JSONResponse(body, 200 if self.ready else 503)
 
         @app.get("/health")

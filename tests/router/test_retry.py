@@ -307,3 +307,45 @@ def test_retry_flags_are_checked() -> None:
         with pytest.raises(SystemExit):
             parse_router_args([*base, *bad])
     assert json.dumps(parse_router_args(base).max_retries) == "2"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fallback_colocated_sends_to_a_decode_alone(workers: Any, router: Any,
+                                                    stream: bool) -> None:
+    p, d = workers("prefill"), workers("decode")
+    d.local_prefill = True
+    r = router([p], [d], "--fallback", "colocated", "--health-interval-s", "0.1")
+    assert r.client.get("/ready").json().get("degraded") is None
+    p.ready = False
+    wait_for(lambda: "degraded" in r.client.get("/ready").json(), what="the router degraded")
+    assert r.client.get("/ready").status_code == 200
+    body = {**GEN, "stream": stream}
+    if stream:
+        status, got = sse(r.client, "/generate", body)
+        assert got[-1] == "[DONE]"
+    else:
+        status = r.client.post("/generate", json=body).status_code
+    assert status == 200
+    sent = d.generation().body
+    assert "bootstrap_room" not in sent and "bootstrap_host" not in sent
+    assert "bootstrap_ticket" not in sent and not p.got(sent["rid"])
+    assert metric(r, "baton_router_pd_fallback_total") == 1
+    p.ready = True  # a prefill is back: disaggregated again
+    wait_for(lambda: "degraded" not in r.client.get("/ready").json(), what="the router healed")
+    assert r.client.post("/generate", json=GEN).status_code == 200
+    assert "bootstrap_room" in d.generation().body
+    assert metric(r, "baton_router_pd_fallback_total") == 1
+
+
+def test_fallback_fail_or_without_a_local_decode_is_a_503(workers: Any, router: Any) -> None:
+    p, d = workers("prefill"), workers("decode")
+    failing = router([p], [d], "--health-interval-s", "0.1")
+    colocated = router([p], [d], "--fallback", "colocated", "--health-interval-s", "0.1")
+    p.ready = False
+    for r in (failing, colocated):
+        wait_for(lambda r=r: r.client.get("/ready").status_code == 503, what="router unready")
+        answer = r.client.post("/generate", json=GEN)
+        assert answer.status_code == 503, answer.text
+        assert "no ready prefill worker" in answer.json()["error"]["message"]
+    assert "--allow-local-prefill" in colocated.client.post("/generate", json=GEN).text
+    assert not d.received

@@ -69,6 +69,8 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
     else:
         cmd += ["--kv-port", str(KV_PORT)]
     cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
+    if role == "decode" and svc.router.fallback == "colocated":
+        cmd += ["--allow-local-prefill"]  # the router's fallback with no prefill to pair
     gpu = svc.pool(role).gpu
     if gpu is not None:  # the KV pool takes what the weights leave of this share of the GPU
         cmd += ["--device", "cuda", "--mem-fraction-static", f"{gpu.mem_fraction_static:g}",
@@ -90,7 +92,8 @@ def router_command(svc: InferenceService) -> list[str]:
     # the image carries the builtin models: the router reads prompts with the same tokenizer
     tokenizer = ["--tokenizer", svc.model.model_arg] if svc.model.kind == "builtin" else []
     return ["baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *workers,
-            "--policy", svc.router.policy, *tokenizer, *auth, *svc.router.args]
+            "--policy", svc.router.policy, "--fallback", svc.router.fallback, *tokenizer, *auth,
+            *svc.router.args]
 
 
 def _selector(svc: InferenceService, role: Role) -> str:
