@@ -270,5 +270,5 @@ def test_no_ready_prefill_is_a_disaggregation_degraded_condition(fallback: str) 
 
 
 def test_a_bad_fallback_is_invalid() -> None:
-    with pytest.raises(InvalidSpec, match="spec.router.fallback"):
+    with pytest.raises(InvalidSpec, match=r"spec\.router\.fallback"):
         parse_service(body(router={"fallback": "maybe"}))
