@@ -61,6 +61,16 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sharp_tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with large random weights: its greedy tokens depend strongly on every
+    position's KV (not one token repeated), so a lost, doubled or foreign token shows."""
+    from tests.disagg.pd import tiny_model
+    from tests.gpu.conftest import model_files
+
+    return tiny_model(model_files(), tmp_path_factory.mktemp("sharp-llama"), init_range=0.5)
+
+
+@pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Any) -> list[list[int]]:
     from tests.engine.hf_reference import PROMPTS
 

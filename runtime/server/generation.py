@@ -16,7 +16,13 @@ from typing import Any
 from runtime.messages import FinishReason, GenerateRequest, ReqOutput
 from runtime.protocol import Resume
 from runtime.server.detokenizer import IncrementalDetokenizer
-from runtime.server.tokenizer_manager import ReqState, RequestTimeout, TokenizerManager
+from runtime.server.tokenizer_manager import (
+    SHUTTING_DOWN,
+    ReqState,
+    RequestTimeout,
+    SchedulerUnavailable,
+    TokenizerManager,
+)
 
 ABORT_ACK_TIMEOUT_S = 10.0
 
@@ -91,6 +97,8 @@ class Generation:
         reason = out.finished_reason
         if reason is not None:
             self.finished = True
+            if self._handed_back(reason):
+                raise SchedulerUnavailable(f"{SHUTTING_DOWN}: the request goes on elsewhere")
             text = self.detok.finish(out.output_ids, reason)
         else:
             text = self.detok.push(out.output_ids)
@@ -106,6 +114,13 @@ class Generation:
             top_logprobs=out.output_top_logprobs,
             customized_info=dict(out.customized_info or {}),
         )
+
+    def _handed_back(self, reason: FinishReason) -> bool:
+        """A decode that drains ends what the grace period left as an error, not a finish:
+        its router then moves the stream to another decode (docs/router.md "Migration"), and
+        a request that had not answered yet is tried again elsewhere (a 503)."""
+        return (self.tm.args.role == "decode" and reason.kind == "abort"
+                and reason.message == SHUTTING_DOWN)
 
     async def _abort_and_wait(self, message: str) -> ReqOutput:
         self.tm.abort(self.rid, message)

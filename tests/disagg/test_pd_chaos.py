@@ -21,12 +21,12 @@ def check(soak_dir: Path, model: Path, duration: float, interval: float) -> None
     assert soak.problems == [], f"{len(soak.problems)} of {soak.answers}: {soak.problems[:10]}"
 
 
-def test_chaos_bounded(tiny_path: Path, tmp_path: Path) -> None:
-    check(tmp_path, tiny_path, duration=45, interval=12)
+def test_chaos_bounded(sharp_tiny_path: Path, tmp_path: Path) -> None:
+    check(tmp_path, sharp_tiny_path, duration=45, interval=12)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("BATON_CHAOS_SOAK"), reason="the 10-minute soak: set "
                     "BATON_CHAOS_SOAK=1 (the bounded run is in the suite)")
-def test_chaos_soak(tiny_path: Path, tmp_path: Path) -> None:
-    check(tmp_path, tiny_path, duration=600, interval=20)
+def test_chaos_soak(sharp_tiny_path: Path, tmp_path: Path) -> None:
+    check(tmp_path, sharp_tiny_path, duration=600, interval=20)

@@ -8,6 +8,7 @@ greedy output equals an undisturbed run's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -19,12 +20,13 @@ import httpx
 import pytest
 
 from runtime.auth.key import ENV
-from tests.disagg.pd import read_stream
 from tests.disagg.test_pd_failures import FAST, eventually, kv_free, metric
 from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_port
 
 SLOW = ("--plugin", "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
+LONG = 1000  # tokens a stream generates: a few seconds, to be caught mid-way
+ROOMY = ("--max-total-tokens", "16384")  # a decode holds 8 such streams
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike"]
 
 
@@ -62,15 +64,20 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
 
 
 @pytest.fixture
-def two_prefills(tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
-    dep = deploy(tiny_path, tmp_path, 2, 1, SLOW)
+def two_prefills(sharp_tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
+    # no prefix cache: the second run must prefill as slowly as the first
+    # and the 3 s / 6 s test timeouts would fail a request that waits behind 8 s of slowed
+    # prefill on the surviving prefill
+    dep = deploy(sharp_tiny_path, tmp_path, 2, 1, (*SLOW, "--disable-prefix-cache",
+                                                   "--bootstrap-timeout-s", "60"),
+                 decode_args=("--waiting-timeout-s", "60"))
     yield dep
     dep.stop()
 
 
 @pytest.fixture
-def two_decodes(tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
-    dep = deploy(tiny_path, tmp_path, 1, 2)
+def two_decodes(sharp_tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
+    dep = deploy(sharp_tiny_path, tmp_path, 1, 2, decode_args=ROOMY)
     yield dep
     dep.stop()
 
@@ -80,10 +87,13 @@ def prompt(i: int) -> str:
     return " ".join(WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(190))
 
 
+STREAMED: dict[int, int] = {}  # request i -> tokens its stream has delivered so far
+
+
 async def ask(http: httpx.AsyncClient, url: str, i: int, stream: bool | None = None,
               max_new: int = 12) -> list[int]:
-    """Request i's greedy output ids; streamed for odd i unless `stream` says. Any error
-    fails the test."""
+    """Request i's greedy output ids; streamed for odd i unless `stream` says (counting its
+    tokens in STREAMED as they come). Any error fails the test."""
     body: dict[str, Any] = {"text": prompt(i), "stream": i % 2 == 1 if stream is None else stream,
                             "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
                                                 "ignore_eos": True}}
@@ -91,19 +101,35 @@ async def ask(http: httpx.AsyncClient, url: str, i: int, stream: bool | None = N
         r = await http.post(f"{url}/generate", json=body)
         assert r.status_code == 200, r.text
         return list(r.json()["output_ids"])
+    STREAMED[i] = 0
+    ids: list[int] = []
     async with http.stream("POST", f"{url}/generate", json=body) as r:
         assert r.status_code == 200, await r.aread()
-        events = await read_stream(r)
-    assert not any("error" in e for e in events), events
-    return [t for e in events for t in e["output_ids"]]
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                ids += event["output_ids"]
+                STREAMED[i] = len(ids)
+    return ids
 
 
 async def ask_all(url: str, n: int, during: Any = None, **kw: Any) -> list[list[int]]:
+    STREAMED.clear()
     async with httpx.AsyncClient(timeout=120) as http:
         calls = [asyncio.ensure_future(ask(http, url, i, **kw)) for i in range(n)]
         if during is not None:
             await during()
         return list(await asyncio.gather(*calls))
+
+
+async def all_streaming(n: int, tokens: int = 5) -> None:
+    """Until each of the `n` streams has delivered `tokens` tokens (and so is mid-way on its
+    decode: least_load gives each decode half of them)."""
+    deadline = time.monotonic() + 30
+    while len(STREAMED) < n or min(STREAMED.values()) < tokens:
+        assert time.monotonic() < deadline, f"not every stream got going: {STREAMED}"
+        await asyncio.sleep(0.01)
 
 
 def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(two_prefills: Deployment) -> None:
@@ -135,20 +161,17 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
     """8 streams, the victim holding several of them mid-way: each stream goes on from the
     other decode (the prefill computes prompt + what was streamed), every token exactly once."""
     dep = two_decodes
-    undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=300))
+    undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=LONG))
     victim = dep.decodes[0]
     in_flight = f'baton_router_worker_in_flight{{role="decode",worker="{victim.url}"}}'
 
     async def kill_mid_stream() -> None:
-        deadline = time.monotonic() + 30
-        while await asyncio.to_thread(metric, victim.url, "baton_running_requests") < 3 or \
-                await asyncio.to_thread(metric, dep.router.url, in_flight) < 3:
-            assert time.monotonic() < deadline, "the victim never streamed 3 requests"
-            await asyncio.sleep(0.02)
+        await all_streaming(8)
+        assert await asyncio.to_thread(metric, dep.router.url, in_flight) >= 3
         victim.kill()
 
     disturbed = asyncio.run(ask_all(dep.router.url, 8, kill_mid_stream, stream=True,
-                                    max_new=300))
+                                    max_new=LONG))
     assert disturbed == undisturbed
     moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
                 .text.splitlines() if line.startswith("baton_router_migrations_total{"))
@@ -156,10 +179,10 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
     eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
 
 
-def test_with_every_prefill_gone_a_local_decode_answers(tiny_path: Path, tmp_path: Path) -> None:
+def test_with_every_prefill_gone_a_local_decode_answers(sharp_tiny_path: Path, tmp_path: Path) -> None:
     """--fallback colocated: the decode (--allow-local-prefill) prefills itself, token-exact;
     the router says it is degraded and counts it."""
-    dep = deploy(tiny_path, tmp_path, 1, 1, decode_args=("--allow-local-prefill",),
+    dep = deploy(sharp_tiny_path, tmp_path, 1, 1, decode_args=("--allow-local-prefill",),
                  router_args=("--fallback", "colocated"))
     try:
         disaggregated = asyncio.run(ask_all(dep.router.url, 4))
@@ -169,5 +192,32 @@ def test_with_every_prefill_gone_a_local_decode_answers(tiny_path: Path, tmp_pat
         assert metric(dep.router.url, "baton_router_pd_fallback_total") == 4
         assert "no ready prefill" in httpx.get(f"{dep.router.url}/ready").json()["degraded"]
         eventually(lambda: kv_free(dep.decodes[0].url))
+    finally:
+        dep.stop()
+
+
+def test_a_draining_decode_hands_its_streams_on(sharp_tiny_path: Path, tmp_path: Path) -> None:
+    """SIGTERM of a decode streaming 3+ of 8 streams (grace 1 s): what the grace period leaves
+    ends as an error its router moves to the other decode, so every stream completes,
+    token-exact, and the decode exits cleanly. (Moving the KV itself, without the prefill
+    recomputing, is not built: docs/router.md "Migration".)"""
+    dep = deploy(sharp_tiny_path, tmp_path, 1, 2,
+                 decode_args=(*ROOMY, "--shutdown-grace-s", "0.1"))
+    try:
+        undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=LONG))
+        victim = dep.decodes[0]
+
+        async def drain_mid_stream() -> None:
+            await all_streaming(8)
+            victim.terminate()
+
+        disturbed = asyncio.run(ask_all(dep.router.url, 8, drain_mid_stream, stream=True,
+                                        max_new=LONG))
+        assert disturbed == undisturbed
+        moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
+                    .text.splitlines() if line.startswith("baton_router_migrations_total{"))
+        assert moved >= 3, "the drained streams did not move"
+        assert victim.proc.wait(30) == 0
+        eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
     finally:
         dep.stop()
