@@ -103,22 +103,25 @@ def _server_pids(up: Up, role: str) -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
-        tiny_path: Path, tmp_path: Path) -> None:
-    """kill -9 of a prefill while streams are in flight: baton up keeps running and starts it
-    again on its ports; no stream ends with an error or an abort (the router retries on the
-    other prefill); SIGTERM afterwards still stops everything cleanly."""
-    up = Up(tiny_path, tmp_path, "--kv-transfer", "tcp", "--prefill", "2", "--", "--plugin",
-            "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
+        tiny_path: Path, tmp_path: Path, role: str) -> None:
+    """kill -9 of a prefill (2P+1D) or a decode (1P+2D) while it holds streams: baton up keeps
+    running and starts it again on its ports; no stream ends with an error or an abort (the
+    router retries them, or moves them to the other decode); SIGTERM afterwards still stops
+    everything cleanly."""
+    up = Up(tiny_path, tmp_path, "--kv-transfer", "tcp", f"--{role}", "2", "--", "--plugin",
+            "tests.server.slow_prefill", "--attention-backend", "slow-prefill",
+            "--max-total-tokens", "16384")
     try:
         up.wait_up()
-        victim = _server_pids(up, "prefill")[0]
+        victim = _server_pids(up, role)[0]
         words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
         def stream(i: int) -> list[dict[str, Any]]:
             text = " ".join(words[(i + k * k) % 10] for k in range(150))
-            body = {"model": "x", "prompt": text, "max_tokens": 8, "temperature": 0,
-                    "stream": True}
+            body = {"model": "x", "prompt": text, "max_tokens": 8 if role == "prefill" else 600,
+                    "temperature": 0, "stream": True, "ignore_eos": True}
             with httpx.Client(timeout=120) as http:
                 model = http.get(f"{up.url}/v1/models").json()["data"][0]["id"]
                 with http.stream("POST", f"{up.url}/v1/completions",
@@ -127,33 +130,34 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
                     return [json.loads(ln[6:]) for ln in r.iter_lines()
                             if ln.startswith("data: {")]
 
-        url = re.search(r"prefill-0 ready at (\S+)", up.text()).group(1)  # type: ignore[union-attr]
-        gauge = f'baton_router_worker_in_flight{{role="prefill",worker="{url}"}}'
+        url = re.search(rf"{role}-0 ready at (\S+)", up.text()).group(1)  # type: ignore[union-attr]
+        gauge = f'baton_router_worker_in_flight{{role="{role}",worker="{url}"}}'
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(stream, i) for i in range(6)]
             deadline = time.monotonic() + 30
             while f"{gauge} 0.0" in httpx.get(f"{up.url}/metrics").text or \
                     gauge not in httpx.get(f"{up.url}/metrics").text:
-                assert time.monotonic() < deadline, "prefill-0 never got a request"
+                assert time.monotonic() < deadline, f"{role}-0 never got a request"
                 time.sleep(0.02)
-            os.kill(victim, signal.SIGKILL)  # while it holds a request it has not answered
+            os.kill(victim, signal.SIGKILL)  # while it holds a request
             results = [f.result() for f in futures]
-        retries = [ln for ln in httpx.get(f"{up.url}/metrics").text.splitlines()
-                   if ln.startswith("baton_router_retries_total{")]
-        assert retries and float(retries[0].split()[-1]) >= 1, retries
+        metrics = httpx.get(f"{up.url}/metrics").text.splitlines()
+        saved = [float(ln.split()[-1]) for ln in metrics
+                 if ln.startswith(("baton_router_retries_total{", "baton_router_migrations_total{"))]
+        assert sum(saved) >= 1, metrics
         for events in results:
             assert not any("error" in e for e in events), events
             finish = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
-            assert finish[-1] == "length", events
+            assert finish.count("length") == 1 and finish[-1] == "length", events
         deadline = time.monotonic() + 60
-        while "starting prefill-0 again" not in up.text():
+        while f"starting {role}-0 again" not in up.text():
             assert up.proc.poll() is None, up.text()
             assert time.monotonic() < deadline, up.text()
             time.sleep(0.2)
-        while httpx.get(f"{up.url}/ready").json().get("ready_workers", {}).get("prefill") != 2:
+        while httpx.get(f"{up.url}/ready").json().get("ready_workers", {}).get(role) != 2:
             assert time.monotonic() < deadline, up.text()
             time.sleep(0.2)
-        assert _server_pids(up, "prefill")[0] != victim and len(_server_pids(up, "prefill")) == 2
+        assert victim not in _server_pids(up, role) and len(_server_pids(up, role)) == 2
         kids = descendants(up.proc.pid)
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0, up.text()
