@@ -70,6 +70,11 @@ def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
     assert len(kids) >= 5  # router, 2 servers with a scheduler process each
     for pid in kids:  # the key is in the router's environment, on no command line
         assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    stops_cleanly(up, kids)
+
+
+def stops_cleanly(up: Up, kids: set[int]) -> None:
+    """SIGTERM: baton up exits 0 and none of `kids` is left."""
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0, up.text()
     deadline = time.monotonic() + 10
@@ -158,13 +163,7 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
             assert time.monotonic() < deadline, up.text()
             time.sleep(0.2)
         assert victim not in _server_pids(up, role) and len(_server_pids(up, role)) == 2
-        kids = descendants(up.proc.pid)
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0, up.text()
-        deadline = time.monotonic() + 10
-        while alive(kids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive(kids), f"left behind: {alive(kids)}"
+        stops_cleanly(up, descendants(up.proc.pid))
         assert "killing it" not in up.text()  # every child ended on its SIGTERM
     finally:
         up.close()

@@ -157,6 +157,17 @@ def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(two_prefills: De
     eventually(lambda: kv_free(dep.decodes[0].url) and kv_free(dep.prefills[1].url))
 
 
+def assert_streams_move(dep: Deployment, undisturbed: list[list[int]], disturb: Any) -> None:
+    """8 long streams, `disturb` run once they are all mid-way: each equals its undisturbed
+    run, the victim's (3 or more) moved to the other decode, and the survivors' KV is free."""
+    disturbed = asyncio.run(ask_all(dep.router.url, 8, disturb, stream=True, max_new=LONG))
+    assert disturbed == undisturbed
+    moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
+                .text.splitlines() if line.startswith("baton_router_migrations_total{"))
+    assert moved >= 3, "the streams on the victim did not move"
+    eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
+
+
 def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deployment) -> None:
     """8 streams, the victim holding several of them mid-way: each stream goes on from the
     other decode (the prefill computes prompt + what was streamed), every token exactly once."""
@@ -170,13 +181,7 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
         assert await asyncio.to_thread(metric, dep.router.url, in_flight) >= 3
         victim.kill()
 
-    disturbed = asyncio.run(ask_all(dep.router.url, 8, kill_mid_stream, stream=True,
-                                    max_new=LONG))
-    assert disturbed == undisturbed
-    moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
-                .text.splitlines() if line.startswith("baton_router_migrations_total{"))
-    assert moved >= 3, "the streams on the killed decode did not move"
-    eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
+    assert_streams_move(dep, undisturbed, kill_mid_stream)
 
 
 def test_with_every_prefill_gone_a_local_decode_answers(sharp_tiny_path: Path, tmp_path: Path) -> None:
@@ -211,13 +216,7 @@ def test_a_draining_decode_hands_its_streams_on(sharp_tiny_path: Path, tmp_path:
             await all_streaming(8)
             victim.terminate()
 
-        disturbed = asyncio.run(ask_all(dep.router.url, 8, drain_mid_stream, stream=True,
-                                        max_new=LONG))
-        assert disturbed == undisturbed
-        moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
-                    .text.splitlines() if line.startswith("baton_router_migrations_total{"))
-        assert moved >= 3, "the drained streams did not move"
+        assert_streams_move(dep, undisturbed, drain_mid_stream)
         assert victim.proc.wait(30) == 0
-        eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
     finally:
         dep.stop()
