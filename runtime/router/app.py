@@ -37,10 +37,11 @@ from runtime.router.exchange import Exchange
 from runtime.router.health import HealthChecker
 from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
+from runtime.router.pairing import Pairing
 from runtime.router.pairs import PairTable
-from runtime.router.policy import Allowed, build_policy, least_loaded, same_kv
+from runtime.router.policy import build_policy, least_loaded
 from runtime.router.proxy import Proxy
-from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request, prompt_ids
+from runtime.router.request import ENDPOINTS, parse_abort, parse_request
 from runtime.router.tokenizer import RouterTokenizer
 from runtime.router.workers import Worker, Workers
 from runtime.sse import CLIENT_GONE
@@ -74,6 +75,8 @@ class Router:
                                     config.health_failures)
         self.key = load_cluster_key(config.cluster_key_file)
         warn_if_open(self.key, "the router (its workers take unsigned rooms)")
+        self.pairing = Pairing(config, self.workers, self.pairs, self.policy, self.tokenizer,
+                               self.key, self.metrics)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -113,55 +116,6 @@ class Router:
                         follow(self.client, self.index, worker.url))
         await self.health.check(joined)  # newcomers serve as soon as they are ready
 
-    def route(self, req: RoutedRequest, avoid_workers: set[Worker] | None = None,
-              avoid_pairs: set[tuple[Worker, Worker]] | None = None,
-              ) -> tuple[RoutedRequest, Worker | None, Worker]:
-        """A pair for `req` by policy, and `req` signed for it. Pairs are taken from the first
-        of these that has one: those neither quarantined nor avoided (by a retry), those not
-        quarantined, any that can exchange KV (a quarantine steers requests to a pair's other
-        partners; it never refuses a request that only that pair can take). With no pair at
-        all: the fallback (a decode alone, no prefill) or a 503 naming the cause."""
-        prefill, decode = self.workers.pairable()
-        avoided, pairs = avoid_workers or set(), avoid_pairs or set()
-        if not (prefill and decode):
-            return req, None, self._fallback(avoided)
-
-        def healthy(p: Worker, d: Worker) -> bool:
-            return same_kv(p, d) and self.pairs.usable(p, d)
-
-        def fresh(p: Worker, d: Worker) -> bool:
-            return healthy(p, d) and not ({p, d} & avoided) and (p, d) not in pairs
-
-        allowed: Allowed = next((rule for rule in (fresh, healthy)
-                                 if any(rule(p, d) for p in prefill for d in decode)), same_kv)
-        ids = prompt_ids(req.parsed, self.tokenizer.get()) if self.policy.wants_ids else None
-        p, d = self.policy.pick(prefill, decode, ids, allowed)
-        log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
-        return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
-
-    def _fallback(self, avoided: set[Worker]) -> Worker:
-        """`--fallback colocated`: a ready decode that prefills requests itself."""
-        reason = self.workers.unready_reason() or "no ready pair of workers"
-        if self.config.fallback != "colocated":
-            raise unavailable(reason)
-        local = [d for d in self.workers.decode.ready() if d.local_prefill]
-        if not local:
-            raise unavailable(f"{reason}; and no ready decode prefills locally (start them with "
-                              "--allow-local-prefill for --fallback colocated)")
-        decode = least_loaded([d for d in local if d not in avoided] or local)
-        self.metrics.on_fallback()
-        log.debug("no prefill to pair (%s): decode %s prefills the request itself", reason,
-                 decode.url)
-        return decode
-
-    def degraded(self) -> str | None:
-        """Why requests go to decodes alone now (None: they are disaggregated)."""
-        if self.config.fallback != "colocated" or all(self.workers.pairable()):
-            return None
-        if not any(d.local_prefill for d in self.workers.decode.ready()):
-            return None
-        return self.workers.unready_reason()
-
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
             req = parse_request(endpoint, await request.body(),
@@ -169,14 +123,14 @@ class Router:
             if req.rid in self.exchanges:  # the original keeps running, untouched
                 raise RouterError(409, f"request id {req.rid!r} is already running",
                                   code="rid_in_use", param="rid")
-            req, prefill, decode = self.route(req)
+            req, prefill, decode = self.pairing.route(req)
         except RouterError as e:
             self.metrics.on_request(endpoint, e.status)
             return e.response()
         except ClientDisconnect:
             self.metrics.on_request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        exchange = Exchange(self.proxy, self.pairs, self.route, req, prefill, decode)
+        exchange = Exchange(self.proxy, self.pairs, self.pairing.route, req, prefill, decode)
         self.exchanges[req.rid] = exchange
         exchange.on_close = lambda: self.exchanges.__delitem__(req.rid)
         return await exchange.respond(request)
@@ -210,7 +164,7 @@ class Router:
 
     def readiness(self) -> JSONResponse:
         counts = {role: len(self.workers.pool(role).ready()) for role in ("prefill", "decode")}
-        degraded = self.degraded()
+        degraded = self.pairing.degraded()
         if degraded is not None:  # serving, without disaggregation
             return JSONResponse({"status": "ready", "ready_workers": counts,
                                  "degraded": f"decodes prefill locally: {degraded}"})

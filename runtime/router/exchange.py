@@ -33,10 +33,10 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.router.attempt import Attempt, blames_link, retryable
 from runtime.router.errors import RouterError, UpstreamFailure
-from runtime.router.follow import Follower, StreamError
+from runtime.router.follow import StreamError, follower_for, with_client_rid
 from runtime.router.pairs import PairTable
 from runtime.router.proxy import Proxy
-from runtime.router.request import CHAT, COMPLETIONS, RoutedRequest, choice_count
+from runtime.router.request import CHAT, COMPLETIONS, RoutedRequest
 from runtime.router.workers import Worker
 from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 
@@ -53,7 +53,7 @@ class Exchange:
     def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
                  prefill: Worker | None, decode: Worker):
         self.proxy, self.pairs, self.route = proxy, pairs, route
-        self.follower = _follower(req, proxy.config.max_migrations)
+        self.follower = follower_for(req, proxy.config.max_migrations)
         if self.follower is not None and req.endpoint in (CHAT, COMPLETIONS):
             req = replace(req, body={**req.body, "return_token_ids": True})
         self.req = req  # the first try's: its endpoint and the client's rid
@@ -250,28 +250,10 @@ class Exchange:
 
     def _for_client(self, payload: bytes) -> bytes:
         """What the client gets of D's event (or JSON body): counted by the follower, if any;
-        a retry's rid carries a suffix, and the client sees its own rid in `meta_info.id`."""
+        else with the client's own rid where a retry's suffixed one stands."""
         if self.follower is not None:
             return self.follower.event(payload)
-        client_rid = self.req.client_rid
-        if client_rid is None or self.attempt.req.rid == client_rid:
-            return payload
-        event = payload.startswith(b"data: ")
-        try:
-            body = json.loads(payload[6:] if event else payload)
-            body["meta_info"]["id"] = client_rid
-        except (ValueError, KeyError, TypeError):
-            return payload
-        out = json.dumps(body, ensure_ascii=False).encode()
-        return b"data: " + out if event else out
-
-
-def _follower(req: RoutedRequest, max_migrations: int) -> Follower | None:
-    """A follower for a stream that can move: one choice, migrations allowed."""
-    body = req.body
-    if max_migrations < 1 or body.get("stream") is not True:
-        return None
-    return Follower(req) if choice_count(req.endpoint, body) == 1 else None
+        return with_client_rid(payload, self.req.client_rid, self.attempt.req.rid)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from runtime.router.request import CHAT, GENERATE, RoutedRequest
+from runtime.router.request import CHAT, GENERATE, RoutedRequest, choice_count
 
 
 class StreamError(Exception):
@@ -77,3 +77,26 @@ class Follower:
             else:
                 self.chars += len(choice.get("text") or "")
             self.finished = self.finished or choice.get("finish_reason") is not None
+
+
+def follower_for(req: RoutedRequest, max_migrations: int) -> Follower | None:
+    """A follower for a stream that can move: one choice, migrations allowed."""
+    body = req.body
+    if max_migrations < 1 or body.get("stream") is not True:
+        return None
+    return Follower(req) if choice_count(req.endpoint, body) == 1 else None
+
+
+def with_client_rid(payload: bytes, client_rid: str | None, sent_rid: str) -> bytes:
+    """A /generate event or body of a retry (sent as `sent_rid`) with the client's own rid in
+    `meta_info.id`; anything else as it is."""
+    if client_rid is None or sent_rid == client_rid:
+        return payload
+    event = payload.startswith(b"data: ")
+    try:
+        body = json.loads(payload[6:] if event else payload)
+        body["meta_info"]["id"] = client_rid
+    except (ValueError, KeyError, TypeError):
+        return payload
+    out = json.dumps(body, ensure_ascii=False).encode()
+    return b"data: " + out if event else out
