@@ -138,6 +138,18 @@ class PrefixCacheStats:
 
 
 @dataclass
+class CanaryStats:
+    """The KV canary since start (docs/kv-canary.md)."""
+
+    checks: int = 0  # request rows whose KV a forward checked
+    violations: dict[str, int] = field(default_factory=dict)  # kind -> failed checks
+    injections: dict[str, int] = field(default_factory=dict)  # perturb kind -> requests hit
+
+    def copy(self) -> CanaryStats:
+        return CanaryStats(self.checks, dict(self.violations), dict(self.injections))
+
+
+@dataclass
 class CacheReport:
     id: int
     enabled: bool
@@ -157,6 +169,7 @@ class SchedulerStats:
     kv_all_free: bool = True
     disagg: DisaggStats | None = None
     prefix_cache: PrefixCacheStats | None = None  # None: the cache is off
+    canary: CanaryStats | None = None  # None: the KV canary is off
 
 
 @dataclass
