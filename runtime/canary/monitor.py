@@ -91,9 +91,8 @@ class CanaryMonitor:
         Rows not `live` are skipped: their request ended or was retracted while the forward
         ran, so their slots may be someone else's by now, and their result is dropped."""
         for row, kind in out.injections or []:
-            if live[row] and reqs[row].rid not in self.injected:
-                self.injected[reqs[row].rid] = kind
-                self.stats.injections[kind] = self.stats.injections.get(kind, 0) + 1
+            if live[row]:
+                self.record_injection(reqs[row].rid, kind)
         found = out.canary_violations
         if found is None:
             return {}
@@ -112,6 +111,21 @@ class CanaryMonitor:
                 if self.perturbing:
                     self.caught[reqs[row].rid] = ended[row]
         return ended
+
+    def record_injection(self, rid: str, kind: str) -> None:
+        if rid not in self.injected:
+            self.injected[rid] = kind
+            self.stats.injections[kind] = self.stats.injections.get(kind, 0) + 1
+
+    def violation(self, rid: str, kind: str, what: str) -> str:
+        """One found outside a forward (KV arriving from a prefill): counted and logged; the
+        message to end the request with (in log mode too: the request never started)."""
+        self.stats.violations[kind] = self.stats.violations.get(kind, 0) + 1
+        self._log(rid, what)
+        message = f"KV canary: {what}; the request was ended rather than answer from it"
+        if self.perturbing:
+            self.caught[rid] = message
+        return message
 
     def _log(self, rid: str, what: str) -> None:
         self.logged += 1

@@ -20,7 +20,7 @@ the scheduler may have ended its request and handed its table row to another mea
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,7 +63,8 @@ class Perturber:
     def _inject(self, kind: str, batch: ForwardBatch, row: int, next_ids: torch.Tensor) -> bool:
         if kind == "kv_after_forward":
             slot = int(batch.out_cache_loc[sum(batch.extend_lens[: row + 1]) - 1])  # its newest
-            return self._negate_one(slot // self._page_size(), slot % self._page_size())
+            self._negate_one(slot // self._page_size(), slot % self._page_size())
+            return True
         if kind == "req_to_token":
             return self._repoint(batch, row)
         if kind == "wrong_slots":
@@ -77,14 +78,19 @@ class Perturber:
         assert self.pool is not None, "KV perturbations need the KV pool"
         return self.pool.page_size
 
-    def _negate_one(self, page: int, slot_in_page: int | None = None) -> bool:
-        """Flip the sign bit of one element of `page` (a slot of it, or any)."""
+    def _negate_one(self, page: int, slot_in_page: int | None = None) -> Callable[[], None]:
+        """Flip the sign bit of one element of `page` (a slot of it, or any); returns the undo
+        (flipping it back)."""
         assert self.pool is not None
         pool, r = self.pool, self.rng
         off = r.randrange(pool.page_size) if slot_in_page is None else slot_in_page
-        pool.buffer[page, r.randrange(pool.num_layers), r.randrange(2), off,
-                    r.randrange(pool.num_kv_heads), r.randrange(pool.head_dim)].neg_()
-        return True
+        element = pool.buffer[page, r.randrange(pool.num_layers), r.randrange(2), off,
+                              r.randrange(pool.num_kv_heads), r.randrange(pool.head_dim)]
+        element.neg_()
+
+        def undo() -> None:
+            element.neg_()
+        return undo
 
     def _repoint(self, batch: ForwardBatch, row: int) -> bool:
         table, tags = self.tags.table, self.tags.tags
@@ -110,9 +116,11 @@ class Perturber:
         table[r, :n] = table[o, :n]
         return True
 
-    def before_send(self, pages: list[int]) -> bool:
-        """PD prefill: maybe corrupt one of the pages about to be sent to a decode server."""
+    def before_send(self, pages: list[int]) -> Callable[[], None] | None:
+        """PD prefill: maybe corrupt one of the pages about to be sent to a decode server (the
+        prompt's slots only); returns the undo, for once they are sent: the prefix cache may
+        keep the page. None: nothing injected."""
         p = self.probs.get("kv_before_send", 0.0)
         if not pages or p == 0.0 or self.rng.random() >= p:
-            return False
-        return self._negate_one(self.rng.choice(pages))
+            return None
+        return self._negate_one(self.rng.choice(pages), 0)

@@ -123,7 +123,7 @@ class SchedulerLoop:
         while self.scheduler.has_work():
             self.scheduler.step()
         self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
-                               self.wakeup.wake)
+                               self.wakeup.wake, self.runner.canary)
         kv = self.runner.kv
         self._send(
             SchedulerReady(
