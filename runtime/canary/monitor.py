@@ -59,7 +59,7 @@ class CanaryMonitor:
         self.logged = 0
 
     def inputs(self, reqs: Sequence[Checked], extend: bool) -> CanaryInputs:
-        self.steps += 1
+        self.steps += not extend  # decode steps, which the sweep thins out
         rows, positions, expected = [], [], []
         if extend or self.steps % self.sweep == 0:
             for i, r in enumerate(reqs):

@@ -98,3 +98,38 @@ def test_table_faults_are_all_caught_and_nobody_else_is_hurt(kind: str, overlap:
             assert r.output_ids == want, r.rid
     assert runner.kv.is_all_free() and runner.kv.allocator.is_all_free()
     sched.shutdown()
+
+
+def test_log_mode_counts_and_lets_requests_run() -> None:
+    config = CanaryConfig(kv_canary="log", perturb="req_to_token=0.05", perturb_seed=1)
+    rng = random.Random(6)
+    runner = FakeRunner(num_pages=512, page_size=4, max_reqs=16, canary=config)
+    sched = Scheduler(SchedulerConfig(enable_overlap=False, max_running_requests=16), runner,
+                      canary=config)
+    reqs = [req(f"r{i}", words(rng.randrange(3, 30), rng), 30, ignore_eos=True) for i in range(40)]
+    run(sched, reqs)
+    monitor = sched.canary
+    assert monitor is not None and len(monitor.injected) >= 10
+    assert monitor.caught == {} and monitor.stats.violations["tag"] >= len(monitor.injected)
+    assert all(r.finished_reason is not None and r.finished_reason.kind == "length" for r in reqs)
+    hurt = [r.rid for r in reqs if r.output_ids != expected_outputs(r.origin_input_ids, 30)]
+    assert hurt and set(hurt) <= set(monitor.injected), "only the hit requests answer wrong"
+    assert runner.kv.is_all_free()
+
+
+def test_the_sweep_bounds_decode_checks_and_off_costs_nothing() -> None:
+    checks = {}
+    for sweep in (1, 4):
+        config = CanaryConfig(kv_canary="raise", kv_canary_sweep=sweep)
+        runner = FakeRunner(canary=config)
+        sched = Scheduler(SchedulerConfig(enable_overlap=False), runner, canary=config)
+        run(sched, [req("one", [1, 2, 3], 40)])
+        assert sched.canary is not None
+        checks[sweep] = sched.canary.stats.checks
+        assert all(b.canary is not None for b in runner.batches)
+    assert checks[1] == 40 and checks[4] == 1 + 39 // 4  # the prefill, then every 4th decode step
+    runner = FakeRunner()
+    sched = Scheduler(SchedulerConfig(enable_overlap=False), runner)
+    run(sched, [req("one", [1, 2, 3], 5)])
+    assert sched.canary is None and runner.canary is None
+    assert all(b.canary is None for b in runner.batches)
