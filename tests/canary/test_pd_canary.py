@@ -5,8 +5,8 @@ checked on arrival, before the decode runs anything of the request.
 Faults: the prefill corrupts pages just before sending them (kv_before_send) and the decode
 injects every runner kind; under `raise` each hit request fails with the canary's error,
 injected (both servers' /metrics) == caught (the answers), every other request returns its
-oracle sequence, and both pools come back empty. Clean: many requests with shared prefixes
-(the prefill's prefix cache shares pages), repeats and aborts raise nothing.
+oracle sequence, and both pools come back empty. Clean: 500 requests with shared prefixes
+(the prefill's prefix cache shares and evicts pages), repeats and aborts raise nothing.
 """
 
 from __future__ import annotations
@@ -106,24 +106,28 @@ def test_every_fault_is_caught_and_the_rest_is_exact(perturbed: Pair) -> None:
 
 @pytest.fixture(scope="module")
 def clean(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    p = start_pair(tmp_path_factory.mktemp("pd-canary-clean"), "tcp", *CANARY, model=str(tiny_path))
+    """The prefill's pool is small enough for its prefix cache to evict."""
+    p = start_pair(tmp_path_factory.mktemp("pd-canary-clean"), "tcp", *CANARY, model=str(tiny_path),
+                   prefill_extra=("--max-total-tokens", "1024"))
     yield p
     p.stop()
 
 
-def test_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(clean: Pair) -> None:
-    bodies = bodies_for(clean, 48, seed=4, shared=13)
+def test_500_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(
+        clean: Pair) -> None:
+    bodies = bodies_for(clean, 250, seed=4, shared=13)
     bodies += [dict(b, **clean.fields(random.Random(i).getrandbits(63))) for i, b in enumerate(bodies)]
 
-    async def with_aborts() -> list[tuple[httpx.Response, Any]]:
-        async with httpx.AsyncClient(timeout=120) as http:
-            calls = [asyncio.ensure_future(pd_call(http, clean, "/generate", b)) for b in bodies]
-            await asyncio.sleep(0.3)
-            for b in bodies[::9]:
+    async def wave(batch: list[dict[str, Any]]) -> list[tuple[httpx.Response, Any]]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            calls = [asyncio.ensure_future(pd_call(http, clean, "/generate", b)) for b in batch]
+            await asyncio.sleep(0.5)
+            for b in batch[::25]:  # some aborted in flight
                 await http.post(f"{clean.decode.url}/abort", json={"rid": b["rid"]})
             return list(await asyncio.gather(*calls))
 
-    results = asyncio.run(with_aborts())
+    results = [r for start in range(0, len(bodies), 100)
+               for r in asyncio.run(wave(bodies[start:start + 100]))]
     finished = 0
     for body, (_, decoded) in zip(bodies, results, strict=True):
         error = canary_error(decoded)
@@ -133,11 +137,12 @@ def test_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(cl
             got = stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"]
             assert got == want
             finished += 1
-    assert finished >= len(bodies) // 2
+    assert finished >= len(bodies) - 5 * 4
     wait_empty(clean)
     for srv in (clean.prefill, clean.decode):
         text = httpx.get(f"{srv.url}/metrics").text
         assert metric(text, "baton_kv_canary_checks_total") > 0
         assert "baton_kv_canary_violations_total{" not in text, srv.url
-    hits = metric(httpx.get(f"{clean.prefill.url}/metrics").text, "baton_prefix_cache_hit_tokens_total")
-    assert hits > 0, "the prefill's cache shared the common prefix"
+    text = httpx.get(f"{clean.prefill.url}/metrics").text
+    assert metric(text, "baton_prefix_cache_hit_tokens_total") > 0, "the cache shared the prefix"
+    assert metric(text, "baton_prefix_cache_evicted_tokens_total") > 0, "and evicted"
