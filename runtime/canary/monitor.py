@@ -71,7 +71,8 @@ class CanaryMonitor:
                 positions.append(torch.arange(n, dtype=torch.int64))
                 expected.append(tags[:n])
             self.stats.checks += len(reqs)
-        ok = torch.tensor([self._may_perturb(r) for r in reqs], dtype=torch.bool)
+        ok = (torch.tensor([self._may_perturb(r) for r in reqs], dtype=torch.bool)
+              if self.perturbing else torch.zeros(len(reqs), dtype=torch.bool))
         if not rows:
             empty = torch.empty(0, dtype=torch.int64)
             return empty, empty, empty, ok
@@ -81,7 +82,7 @@ class CanaryMonitor:
         """Certain to run two more forwards (so a fault is read and checked) and not hit yet."""
         sp = r.sampling_params
         seq = len(r.origin_input_ids) + len(r.output_ids)
-        return (self.perturbing and not r.hand_off and sp.ignore_eos and not sp.stop
+        return (not r.hand_off and sp.ignore_eos and not sp.stop
                 and not sp.stop_token_ids and sp.max_new_tokens - len(r.output_ids) >= 3
                 and seq + 3 < self.context_len and r.rid not in self.injected)
 
