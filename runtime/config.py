@@ -130,6 +130,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CanaryConfig:
+    """The KV canary and its fault injection (docs/kv-canary.md). Off by default, at no cost."""
+
+    kv_canary: Literal["none", "log", "raise"] = field(default="none", metadata=_help(
+        "check that every forward reads KV computed from its own tokens: log counts and logs "
+        "violations, raise ends the offending request with an error (never the server)"))
+    kv_canary_sweep: int = field(default=1, metadata=_help(
+        "check the KV a decode step reads every N steps (prefill always checks)"))
+    kv_canary_bytes: Literal["none", "partial", "all"] = field(default="none", metadata=_help(
+        "also checksum each slot's KV bytes when written and check them when read (partial: "
+        "first and last layers only)"))
+    perturb: str | None = field(default=None, metadata=_help(
+        "fault injection for tests, KIND=PROB[,KIND=PROB...]; kinds kv_after_forward, "
+        "req_to_token, wrong_slots, next_token_swap, kv_before_send (needs --kv-canary)"))
+    perturb_seed: int = field(default=0, metadata=_help("seed of the fault injection"))
+    perturb_warmup_steps: int = field(default=0, metadata=_help(
+        "forwards to run before injecting any fault"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_canary != "none"
+
+
+@dataclass(frozen=True)
 class DisaggConfig:
     """Prefill/decode disaggregation (docs/disaggregation.md "Disaggregation flow"). Timeouts can also come
     from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
@@ -177,6 +201,7 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     role: Role = field(default="colocated", metadata=_help("colocated, or one side of PD"))
     host: str = "127.0.0.1"
     port: int = 8000

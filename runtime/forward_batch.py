@@ -22,6 +22,9 @@ ForwardMode = Literal["extend", "decode"]
 # Penalty rows to start afresh: [R] rows; their prompt + output tokens as [N] (row, token)
 # pairs; their output tokens (repeats counted) as [M] (row, token) pairs. All int64.
 PenaltyResets = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# KV canary (runtime/canary/): [N] batch rows, [N] positions and [N] expected tags of the slots
+# to check (N = 0 on a step that does not check), and [B] bool: rows fault injection may hit.
+CanaryInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -105,6 +108,7 @@ class ForwardBatch:
     # req->token table entries to write on the device before this forward ([N] rows, [N]
     # positions, [N] slots); None where the scheduler writes the table itself (a host table).
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    canary: CanaryInputs | None = None  # None: the KV canary is off
 
     @property
     def batch_size(self) -> int:
@@ -137,6 +141,10 @@ class ForwardOutput:
     # The tensors above on their way to the host, started by the runner right after sampling
     # (None: they are on the host already). Read them through on_host().
     host_copy: HostCopy | None = None
+    # KV canary: [B, kinds] int64 violations per row (runtime/canary/slots.py; None: off), and
+    # the faults injected into this forward, as (row, kind) (runtime/canary/perturb.py).
+    canary_violations: torch.Tensor | None = None
+    injections: list[tuple[int, str]] | None = None
 
     def start_host_copy(self) -> ForwardOutput:
         """Start copying the results to the host (one packed copy; nothing on the CPU)."""
@@ -161,6 +169,6 @@ SAMPLING_TENSORS = (
 )  # fmt: skip
 BATCH_TENSORS = (
     "input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens_t", "extend_lens_t",
-    "table_writes",
+    "table_writes", "canary",
 )  # fmt: skip
-RESULT_TENSORS = ("next_token_ids", "logprobs", "top_logprobs")
+RESULT_TENSORS = ("next_token_ids", "logprobs", "top_logprobs", "canary_violations")

@@ -138,6 +138,20 @@ class PrefixCacheStats:
 
 
 @dataclass
+class CanaryStats:
+    """The KV canary since start (docs/kv-canary.md)."""
+
+    # request rows whose KV a forward checked; it rises every step, so it rides along with the
+    # next stats message rather than causing one (not compared)
+    checks: int = field(default=0, compare=False)
+    violations: dict[str, int] = field(default_factory=dict)  # kind -> failed checks
+    injections: dict[str, int] = field(default_factory=dict)  # perturb kind -> requests hit
+
+    def copy(self) -> CanaryStats:
+        return CanaryStats(self.checks, dict(self.violations), dict(self.injections))
+
+
+@dataclass
 class CacheReport:
     id: int
     enabled: bool
@@ -158,6 +172,7 @@ class SchedulerStats:
     disagg: DisaggStats | None = None
     prefix_cache: PrefixCacheStats | None = None  # None: the cache is off
     queued_prompt_tokens: int = 0  # prompt tokens of the requests waiting in the scheduler
+    canary: CanaryStats | None = None  # None: the KV canary is off
 
 
 @dataclass
@@ -247,6 +262,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     CacheReport,
     KVEvents,
     PrefixCacheStats,
+    CanaryStats,
     DrainRequest,
     ShutdownRequest,
     SchedulerReady,

@@ -11,7 +11,7 @@ import dataclasses
 import uuid
 from typing import Any
 
-from runtime.config import EngineConfig, SchedulerConfig
+from runtime.config import CanaryConfig, EngineConfig, SchedulerConfig
 from runtime.engine.model_runner import ModelRunner
 from runtime.messages import ReqOutput
 from runtime.result import cut_at_stop, generate_result
@@ -21,27 +21,27 @@ from runtime.scheduler.scheduler import Scheduler
 from runtime.tokenizer import load_tokenizer, tail_decoder
 
 
-def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerConfig]:
+def split_engine_args(kwargs: dict[str, Any]) -> tuple[EngineConfig, SchedulerConfig, CanaryConfig]:
     """Route keyword arguments to the config that owns them; unknown names are an error."""
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    unknown = sorted(set(kwargs) - engine_fields - sched_fields)
+    classes = (EngineConfig, SchedulerConfig, CanaryConfig)
+    fields = [{f.name for f in dataclasses.fields(cls)} for cls in classes]
+    unknown = sorted(set(kwargs).difference(*fields))
     if unknown:
-        known = sorted(engine_fields | sched_fields)
-        raise TypeError(f"unknown engine argument(s) {unknown}; known: {known}")
-    engine = EngineConfig(**{k: v for k, v in kwargs.items() if k in engine_fields})
-    sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_fields})
-    return engine, sched
+        raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(set().union(*fields))}")
+    engine, sched, canary = (cls(**{k: v for k, v in kwargs.items() if k in names})  # type: ignore[operator]
+                             for cls, names in zip(classes, fields, strict=True))
+    return engine, sched, canary
 
 
 class Engine:
     """Not thread-safe: one generate() at a time."""
 
     def __init__(self, model: str = "builtin:smollm2-135m", **engine_args: Any) -> None:
-        engine_cfg, sched_cfg = split_engine_args({"model": model, **engine_args})
-        self.runner = ModelRunner(engine_cfg, sched_cfg.max_running_requests)
+        engine_cfg, sched_cfg, canary = split_engine_args({"model": model, **engine_args})
+        self.runner = ModelRunner(engine_cfg, sched_cfg.max_running_requests, canary=canary)
         self.tokenizer = load_tokenizer(self.runner.model_path)
-        self.scheduler = Scheduler(sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer))
+        self.scheduler = Scheduler(sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer),
+                                   canary=canary)
 
     def generate(
         self,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from runtime.auth.ticket import peer_of
+from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import R, SchedulerPort
@@ -75,6 +76,7 @@ class DecodeRole(Generic[R]):
     vocab_size: int
     tally: Tally  # KV-plane events counted on the receiver's threads
     stats: DisaggStats = field(default_factory=DisaggStats)
+    canary: HandoffCanary | None = None  # checks the prompt KV on arrival
 
     def __post_init__(self) -> None:
         self.rooms: RoomTable[_Room[R]] = RoomTable()  # the scheduler loop's thread only
@@ -193,6 +195,11 @@ class DecodeRole(Generic[R]):
         problem = self._aux_problem(r.req, aux)
         if problem:
             self._fail(r, problem, touched, "bad_aux")
+            return
+        if self.canary is not None and (problem := self.canary.arrival_problem(
+                r.req.rid, r.req.origin_input_ids, r.req.kv_pages, aux.slot_tags, aux.slot_sums)):
+            r.prefill_done = True  # its KV is here: nothing more of it can land
+            self._fail(r, problem, touched, "kv_canary")
             return
         top = [(int(t), float(lp)) for t, lp in aux.top_logprobs] if aux.top_logprobs else None
         r.req.append_token(aux.token, aux.logprob, top, aux.customized_info)

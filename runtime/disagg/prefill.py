@@ -33,6 +33,7 @@ from typing import Any, Generic
 
 from runtime.auth.key import ClusterKey
 from runtime.auth.ticket import check_room
+from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
@@ -59,6 +60,7 @@ class _Room(Generic[R]):
     submitted: bool = False  # the request went to the scheduler (prefill runs meanwhile)
     handed_off: bool = False  # the scheduler is done with it; we own it and its KV
     sending: Future[Sent] | None = None
+    undo: Callable[[], None] | None = None  # of a fault injected into its pages before sending
 
 
 @dataclass
@@ -72,6 +74,7 @@ class PrefillRole(Generic[R]):
     key: ClusterKey = field(default_factory=ClusterKey.none)
     tally: Tally = field(default_factory=Tally)  # KV-plane events, from the bootstrap threads
     stats: DisaggStats = field(default_factory=DisaggStats)
+    canary: HandoffCanary | None = None  # the KV canary's tags travel with the pages
 
     def __post_init__(self) -> None:
         self.instance_id = self.transfer.agent_name  # /route, the KV link proof, nixl's agent
@@ -194,6 +197,11 @@ class PrefillRole(Generic[R]):
         if r.cancelled and r.sending is None:
             self._fail(r, "cancelled by the decode server", touched, "cancelled")
             return
+        if r.req is not None and r.submitted and not r.handed_off and r.req.finished:
+            # the scheduler ended it (the KV canary caught its prefill): tell the decode server
+            self._fail(r, "the prefill server ended the request before sending its KV", touched,
+                       "prefill_error")
+            return
         if r.room.state is RoomState.BOOTSTRAPPING:
             self._bootstrap(r, touched)  # may find the pages of a request prefilled already
         state = r.room.state
@@ -233,19 +241,24 @@ class PrefillRole(Generic[R]):
             if r.cancelled:
                 return  # the next poll fails it
             r.room.advance(RoomState.TRANSFERRING)
+        src = req.kv_pages[: len(target.dst_pages)]
+        tags = sums = None
+        if self.canary is not None:
+            tags, sums, r.undo = self.canary.outgoing(req.rid, src, len(req.origin_input_ids))
         aux = AuxRecord(
             room=target.room, rid=req.rid, prompt_len=len(req.origin_input_ids),
             token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
             top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
             customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
-            cached_tokens=req.cached_tokens,
+            cached_tokens=req.cached_tokens, slot_tags=tags, slot_sums=sums,
         )
-        src = req.kv_pages[: len(target.dst_pages)]
         r.sending = self.sender.send(peer, src, target.dst_pages, aux, lambda: self._claim(r))
         r.sending.add_done_callback(lambda _: self.wake())
 
     def _finish_transfer(self, r: _Room[R], sending: Future[Sent], touched: list[R]) -> None:
+        if r.undo is not None:  # the fault went out with the pages; the pages stay sound here
+            r.undo()
         error = sending.exception()
         if isinstance(error, WriteInDoubt):
             with self.lock:

@@ -51,7 +51,7 @@ class KVReceiver:
         except OSError as e:
             raise OSError(f"KV receiver cannot listen on {host}:{port}: {e} (--kv-port)") from e
         self.port: int = self.listener.getsockname()[1]
-        self.limit = header_limit(transfer.pool.num_pages)
+        self.limit = header_limit(transfer.pool.num_pages, transfer.pool.page_size)
         self.links: dict[socket.socket, str | None] = {}  # -> the proven prefill id
         self.unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self.closed = False

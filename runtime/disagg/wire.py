@@ -31,12 +31,14 @@ MAX_ID = 128  # decode ids, rids, hosts
 MAX_TEXT = 4096  # failure reasons, tickets
 MAX_INFO_BYTES = 1 << 20  # an aux record's customized_info, encoded
 DTYPES = ("float32", "bfloat16", "float16")
+CANARY_BYTES = ("none", "partial", "all")
 
 
-def header_limit(num_pages: int) -> int:
+def header_limit(num_pages: int, page_size: int = 1) -> int:
     """The largest frame header a pool of `num_pages` pages can need: a PagesFrame naming every
-    page (msgpack: at most 9 bytes an index) or a RoomDone with the largest aux record."""
-    return MAX_INFO_BYTES + 2 * MAX_TEXT + 9 * num_pages
+    page (msgpack: at most 9 bytes an index) or a RoomDone with the largest aux record (with
+    the KV canary: two int64 per prompt slot)."""
+    return MAX_INFO_BYTES + 2 * MAX_TEXT + 9 * num_pages + 18 * num_pages * page_size
 
 
 def _room(where: str, room: int) -> None:
@@ -58,6 +60,10 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    # KV canary (docs/kv-canary.md): slot tags travel in the aux record; byte checksums of the
+    # slots too unless "none". Both sides must agree, or one would send what the other ignores.
+    canary_tags: bool = False
+    canary_bytes: str = "none"
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -66,6 +72,9 @@ class KVLayout:
             in_range(f"KVLayout.{name}", getattr(self, name), 1, most)
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.canary_bytes not in CANARY_BYTES:
+            raise ValueError(f"KVLayout.canary_bytes: {self.canary_bytes!r} is not one of "
+                             f"{CANARY_BYTES}")
 
     @property
     def page_bytes(self) -> int:
@@ -140,9 +149,17 @@ class AuxRecord:
     top_logprobs: list[list[float]] | None = None  # [[token id, logprob], ...]
     customized_info: dict[str, Any] | None = None
     cached_tokens: int = 0  # prompt tokens the prefill found in its prefix cache (usage)
+    # KV canary: the tag and byte checksum of each prompt slot as the prefill holds them
+    slot_tags: list[int] | None = None
+    slot_sums: list[int] | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
+        for name in ("slot_tags", "slot_sums"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.prompt_len:
+                raise ValueError(f"AuxRecord.{name}: {len(values)} values for {self.prompt_len} "
+                                 "prompt slots")
         _room("AuxRecord.room", self.room)
         in_range("AuxRecord.cached_tokens", self.cached_tokens, 0, self.prompt_len)
         short_text("AuxRecord.rid", self.rid, 2 * MAX_ID)

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from runtime.attention.registry import create_attention_backend
-from runtime.config import EngineConfig, ModelConfig
+from runtime.canary.guard import build_guard
+from runtime.config import CanaryConfig, EngineConfig, ModelConfig
 from runtime.device import bind_thread, serving_device
 from runtime.engine.cuda_graph import DecodeGraphs, Graph
 from runtime.engine.memory import kv_pages, out_of_memory
 from runtime.engine.penalty import PenaltyState
-from runtime.engine.sampler import create_sampler_backend
+from runtime.engine.sampler import TokenOracleSampler, create_sampler_backend
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
@@ -54,8 +55,8 @@ def _eos_token_ids(path: Path, mc: ModelConfig) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_running_requests: int,
-                 prefix_cache: bool | None = None) -> None:
-        """`prefix_cache` None: on unless `config.disable_prefix_cache`."""
+                 prefix_cache: bool | None = None, canary: CanaryConfig | None = None) -> None:
+        """`prefix_cache` None: on unless `config.disable_prefix_cache`; `canary` None: off."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -80,6 +81,8 @@ class ModelRunner:
         self.needs_request_ids = self.sampler.needs_request_ids
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size, self.device)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
+        self.canary = build_guard(canary, self.kv.req_to_token.table, self.pool, self.pool.num_slots,
+                                  mc.vocab_size, isinstance(self.sampler, TokenOracleSampler))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if self.attn.cuda_graph_safe:
@@ -150,6 +153,8 @@ class ModelRunner:
             sample_logits = sample_logits.index_put((rows, tokens), biases, accumulate=True)
         out = self.sampler.sample(sample_logits, info)
         result = ForwardOutput(out.next_token_ids, customized_info=out.customized_info)
+        if self.canary is not None:
+            self.canary.after_forward(batch, result)
         if batch.return_logprob:
             logprobs = torch.log_softmax(logits, dim=-1)
             result.logprobs = logprobs.gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)

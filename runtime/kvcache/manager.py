@@ -163,6 +163,16 @@ class KVCacheManager:
             req.req_pool_idx = None
         req.kv_len = req.computed_len = 0
 
+    def discard(self, req: KVHolder) -> None:
+        """Like `release`, but what the request computed is not offered to the cache: its KV
+        is suspect (the KV canary caught it). Pages the cache held already stay there."""
+        held = 0
+        node = req.cache_node
+        while self.cache is not None and node is not None and node is not self.cache.root:
+            held, node = held + 1, node.parent
+        req.computed_len = held * self.page_size  # release re-inserts those: nothing new
+        self.release(req)
+
     def flush_cache(self) -> int:
         """Free every page the cache holds unlocked; returns how many."""
         if self.cache is None:

@@ -91,13 +91,14 @@ class SchedulerLoop:
         cache = args.engine.disable_prefix_cache
         self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests,
                                   prefix_cache=not cache if cache is not None
-                                  else args.role != "decode")
+                                  else args.role != "decode", canary=args.canary)
         if self.runner.kv.cache is not None:
             self.runner.kv.cache.events = []  # GET /kv_events follows them (_send_events)
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(
-            sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer), streamer=self.streamer
+            sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer), streamer=self.streamer,
+            canary=args.canary,
         )
         self.args = args
         self.wakeup = WakePipe()
@@ -122,7 +123,7 @@ class SchedulerLoop:
         while self.scheduler.has_work():
             self.scheduler.step()
         self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
-                               self.wakeup.wake)
+                               self.wakeup.wake, self.runner.canary)
         kv = self.runner.kv
         self._send(
             SchedulerReady(
@@ -287,6 +288,7 @@ class SchedulerLoop:
             disagg=self.role.stats.take() if self.role.stats is not None else None,
             prefix_cache=self._cache_stats(),
             queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
+            canary=self.scheduler.canary.stats.copy() if self.scheduler.canary is not None else None,
         )
 
     def _cache_stats(self) -> PrefixCacheStats | None:

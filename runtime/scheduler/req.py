@@ -31,6 +31,7 @@ class Req:
     computed_len: int = 0  # of kv_len, the positions a finished forward wrote (cacheable)
     cache_node: Any = None  # the prefix-cache node it reads from (locked), if any
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    canary_chain: Any = None  # KV canary: the tags its tokens give their slots (ReqChain)
     # Set when the scheduler evicts the request to free KV; results of batches that were already
     # in flight for it are dropped, and it re-prefills prompt + output later.
     is_retracted: bool = False

@@ -15,7 +15,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.config import ServerArgs
@@ -25,6 +25,7 @@ from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from runtime.canary.guard import CanaryGuard
     from runtime.disagg.transfer.base import KVTransfer
 
 log = logging.getLogger("baton.scheduler")
@@ -101,18 +102,26 @@ def advertise_host(args: ServerArgs) -> str:
 
 
 def build_role(
-    args: ServerArgs, scheduler: Scheduler, pool: KVPool, vocab_size: int, wake: Callable[[], None]
+    args: ServerArgs, scheduler: Scheduler, pool: KVPool, vocab_size: int, wake: Callable[[], None],
+    canary: CanaryGuard | None = None,
 ) -> Role:
-    """The role for `args.role`, its KV transport started (bootstrap server or receiver)."""
+    """The role for `args.role`, its KV transport started (bootstrap server or receiver);
+    `canary`: the runner's KV canary, whose tags then travel with the pages."""
     if args.role == "colocated":
         return ColocatedRole(scheduler)
     from runtime.auth.key import load_cluster_key, warn_if_open
+    from runtime.canary.handoff import HandoffCanary
     from runtime.disagg.tally import Tally
     from runtime.disagg.transfer.base import create_transfer
 
     key = load_cluster_key(args.disagg.cluster_key_file)
     name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"  # the instance id peers know it by
     transfer = create_transfer(args.disagg.kv_transfer, pool, name)
+    handoff = None
+    if canary is not None and scheduler.canary is not None:
+        handoff = HandoffCanary(canary, scheduler.canary, pool.page_size)
+        transfer.layout = replace(transfer.layout, canary_tags=True,
+                                  canary_bytes=args.canary.kv_canary_bytes)
     tally = Tally()
     if args.role == "prefill":
         from runtime.auth.signed import CallGate
@@ -123,7 +132,7 @@ def build_role(
         warn_if_open(key, f"prefill {name} (bootstrap port {args.disagg.bootstrap_port})")
         prefill: PrefillRole[Req] = PrefillRole(
             scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
-            tally)
+            tally, canary=handoff)
         prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill,
                                             CallGate(key), tally)
         prefill.ready = True
@@ -141,5 +150,5 @@ def build_role(
              transfer.name)
     decode: DecodeRole[Req] = DecodeRole(
         scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
-        wake, vocab_size, tally)
+        wake, vocab_size, tally, canary=handoff)
     return decode

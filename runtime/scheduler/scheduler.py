@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from runtime.config import SchedulerConfig
+from runtime.canary.monitor import CanaryMonitor
+from runtime.config import CanaryConfig, SchedulerConfig
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.messages import FinishReason, ReqOutput
 from runtime.sampling_params import InvalidRequest
@@ -40,6 +41,7 @@ class Scheduler:
         runner: Runner,
         decode_tail: Callable[[list[int]], str] | None = None,
         streamer: OutputStreamer | None = None,
+        canary: CanaryConfig | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -65,6 +67,8 @@ class Scheduler:
         self.peak_running = 0
         self._aborted: list[Req] = []
         self._handed_off: list[Req] = []  # `hand_off` requests with their first token
+        self.canary = (CanaryMonitor(canary, runner.context_len)
+                       if canary is not None and canary.enabled else None)
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -199,13 +203,20 @@ class Scheduler:
         new = self._schedule_prefill()
         if new is not None:
             self.last_extend = new
-            return new, new.prepare_for_extend(self.kv, self.runner.needs_request_ids)
+            return new, self._canary(new, new.prepare_for_extend(self.kv, self.runner.needs_request_ids))
         if self.running.is_empty():
             return None, None
         self._make_decode_room()
         self.peak_running = max(self.peak_running, len(self.running))
         self.new_token_ratio = max(self.config.new_token_ratio, self.new_token_ratio - 0.002)
-        return self.running, self.running.prepare_for_decode(self.kv, self.runner.needs_request_ids)
+        fb = self.running.prepare_for_decode(self.kv, self.runner.needs_request_ids)
+        return self.running, self._canary(self.running, fb)
+
+    def _canary(self, batch: ScheduleBatch, fb: ForwardBatch) -> ForwardBatch:
+        """The KV canary's checks for this forward (runtime/canary/monitor.py), when it is on."""
+        if self.canary is not None:
+            fb.canary = self.canary.inputs(batch.reqs, batch.mode == "extend")
+        return fb
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
         self.launched_forwards += 1
@@ -245,10 +256,19 @@ class Scheduler:
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
         info = out.customized_info or {}
+        caught = {}
+        if self.canary is not None:
+            live = [not (r.finished or r.is_retracted) for r in done.reqs]
+            caught = self.canary.verdicts(done.reqs, out, live)
         touched = []
         for i, req in enumerate(done.reqs):
             # Dropped: finished or aborted meanwhile, evicted, or a prompt chunk that samples nothing.
             if req.finished or req.is_retracted:
+                continue
+            if i in caught:  # its KV is not its own: it ends here, and its KV goes to nobody
+                req.finish("abort", caught[i])
+                self.kv.discard(req)
+                touched.append(req)
                 continue
             req.computed_len = max(req.computed_len, done.kv_lens[i])  # its KV is written now
             if done.mode == "extend":  # its prompt's pages are reusable from now on

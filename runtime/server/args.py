@@ -17,7 +17,8 @@ from typing import Any
 
 from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
-from runtime.config import DisaggConfig, ServerArgs
+from runtime.canary.perturb_kinds import parse_perturb
+from runtime.config import CanaryConfig, DisaggConfig, ServerArgs
 
 ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
 
@@ -108,6 +109,7 @@ def _check(args: ServerArgs) -> list[str]:
         (args.disagg, ("bootstrap_port", "heartbeat_misses")),
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
+    problems += _check_canary(args.canary)
     fraction = args.engine.mem_fraction_static
     if fraction is not None and not 0.0 < fraction < 1.0:
         problems.append(f"--mem-fraction-static must be in (0, 1), got {fraction}")
@@ -127,4 +129,18 @@ def _check(args: ServerArgs) -> list[str]:
         ApiKeys.load(args.api_key, args.api_key_file)
     except ValueError as e:  # (KeyProblem too)
         problems.append(str(e))
+    return problems
+
+
+def _check_canary(c: CanaryConfig) -> list[str]:
+    problems = [] if c.kv_canary_sweep >= 1 else ["--kv-canary-sweep must be >= 1"]
+    try:
+        kinds = parse_perturb(c.perturb)
+    except ValueError as e:
+        return [*problems, str(e)]
+    if kinds and not c.enabled:
+        problems.append("--perturb injects faults for the KV canary to catch: it needs "
+                        "--kv-canary log or raise")
+    if c.kv_canary_bytes != "none" and not c.enabled:
+        problems.append("--kv-canary-bytes needs --kv-canary log or raise")
     return problems

@@ -11,7 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from runtime.messages import DisaggStats, PrefixCacheStats, SchedulerStats
+from runtime.messages import CanaryStats, DisaggStats, PrefixCacheStats, SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
@@ -38,6 +38,27 @@ class PrefixCacheMetrics:
         self.query.inc(max(0, stats.query_tokens - self.last.query_tokens))
         self.evicted.inc(max(0, stats.evicted_tokens - self.last.evicted_tokens))
         self.cached.set(stats.cached_tokens)
+        self.last = stats
+
+
+class CanaryMetrics:
+    """The KV canary and fault injection (CanaryStats carries totals; counters take the rise)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.checks = Counter("baton_kv_canary_checks", "Request rows whose KV a forward checked "
+                              "(docs/kv-canary.md)", registry=r)
+        self.violations = Counter("baton_kv_canary_violations", "Failed KV canary checks, by kind "
+                                  "(tag, bytes, token)", ["kind"], registry=r)
+        self.injections = Counter("baton_perturb_injections", "Requests hit by --perturb fault "
+                                  "injection, by kind", ["kind"], registry=r)
+        self.last = CanaryStats()
+
+    def update(self, stats: CanaryStats) -> None:
+        self.checks.inc(max(0, stats.checks - self.last.checks))
+        for counter, now, before in ((self.violations, stats.violations, self.last.violations),
+                                     (self.injections, stats.injections, self.last.injections)):
+            for kind, n in now.items():
+                counter.labels(kind=kind).inc(max(0, n - before.get(kind, 0)))
         self.last = stats
 
 
@@ -118,6 +139,7 @@ class Metrics:
         self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
         self.disagg = DisaggMetrics(r)
         self.cache = PrefixCacheMetrics(r)
+        self.canary = CanaryMetrics(r)
 
     def on_tokens(self, n: int, since_last: float, first: bool, ttft: float) -> None:
         """`n` new tokens arrived `since_last` seconds after the previous ones."""
@@ -152,6 +174,8 @@ class Metrics:
             self.disagg.update(stats.disagg)
         if stats.prefix_cache is not None:
             self.cache.update(stats.prefix_cache)
+        if stats.canary is not None:
+            self.canary.update(stats.canary)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -203,3 +203,18 @@ def test_a_handed_off_request_of_no_room_only_frees_its_kv(w: World) -> None:
     w.scheduler.finish_prompt(stray)
     assert not w.kv.is_all_free()
     assert w.role.poll() == [] and w.kv.is_all_free()
+
+
+def test_a_request_the_scheduler_ends_before_its_hand_off_fails_its_room(w: World) -> None:
+    """The KV canary (raise) ends a prefill whose KV is not its own: the scheduler finishes it
+    and frees its KV; the role then fails the room and tells the decode server."""
+    req = request("r9", 9)
+    w.role.add(req)
+    w.offer(9)
+    w.role.poll()
+    assert state(w.role, 9) is RoomState.WAITING_FOR_INPUT
+    req.finish("abort", "KV canary: ...")  # what Scheduler.process does, KV discarded with it
+    w.role.poll()
+    assert state(w.role, 9) is None and not w.sender.sends
+    assert [(d, room) for d, room, _ in w.sender.failed] == [(DECODE, 9)]
+    assert w.kv.is_all_free()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.canary.guard import build_guard
+from runtime.config import CanaryConfig
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
@@ -39,7 +41,7 @@ def expected_outputs(prompt: list[int], n: int, eos: int | None = None) -> list[
 class FakeRunner:
     def __init__(
         self, num_pages: int = 64, page_size: int = 4, max_reqs: int = 16, context_len: int = 256,
-        prefix_cache: bool = False,
+        prefix_cache: bool = False, canary: CanaryConfig | None = None,
     ) -> None:
         self.kv = KVCacheManager(
             PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, context_len),
@@ -52,6 +54,9 @@ class FakeRunner:
         self.needs_request_ids = False
         self.slot_tokens = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
         self.batches: list[ForwardBatch] = []
+        # the real KV canary over the token-per-slot pool (no byte checksums: no KV bytes)
+        self.canary = build_guard(canary, self.kv.req_to_token.table, None, num_pages * page_size,
+                                  VOCAB, oracle=False)
 
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput:
         assert bool((batch.input_ids >= 0).all()), "unresolved future placeholder reached forward"
@@ -61,4 +66,7 @@ class FakeRunner:
         nxt = []
         for row, seq_len in zip(batch.req_pool_indices.tolist(), batch.seq_lens, strict=True):
             nxt.append(next_token(self.slot_tokens[table[row, :seq_len]].tolist()))
-        return ForwardOutput(torch.tensor(nxt, dtype=torch.int64))
+        out = ForwardOutput(torch.tensor(nxt, dtype=torch.int64))
+        if self.canary is not None:
+            self.canary.after_forward(batch, out)
+        return out

@@ -6,15 +6,16 @@ import dataclasses
 
 import pytest
 
-from runtime.config import DisaggConfig, EngineConfig, SchedulerConfig, ServerArgs
+from runtime.config import CanaryConfig, DisaggConfig, EngineConfig, SchedulerConfig, ServerArgs
 from runtime.server.args import build_parser, parse_server_args
 
 
 def test_defaults_come_from_the_dataclass() -> None:
     assert parse_server_args([]) == ServerArgs()
     flags = {a.dest for a in build_parser()._actions}
-    names = {f.name for cls in (ServerArgs, EngineConfig, SchedulerConfig, DisaggConfig)
-             for f in dataclasses.fields(cls)} - {"engine", "scheduler", "disagg"}
+    names = {f.name for cls in (ServerArgs, EngineConfig, SchedulerConfig, DisaggConfig,
+                                CanaryConfig)
+             for f in dataclasses.fields(cls)} - {"engine", "scheduler", "disagg", "canary"}
     assert names <= flags
 
 
@@ -53,3 +54,17 @@ def test_bad_values_exit_2(argv: list[str]) -> None:
 def test_mem_fraction_static_is_a_gpu_flag() -> None:
     args = parse_server_args(["--device", "cuda", "--mem-fraction-static", "0.85"])
     assert args.engine.mem_fraction_static == 0.85
+
+
+def test_canary_flags_are_checked() -> None:
+    args = parse_server_args(["--kv-canary", "raise", "--kv-canary-sweep", "4",
+                              "--perturb", "wrong_slots=0.5,req_to_token=0.1"])
+    assert args.canary == CanaryConfig(kv_canary="raise", kv_canary_sweep=4,
+                                       perturb="wrong_slots=0.5,req_to_token=0.1")
+    for bad in (["--perturb", "wrong_slots=0.5"],  # nothing would catch them
+                ["--kv-canary", "log", "--perturb", "bogus=0.1"],
+                ["--kv-canary", "log", "--perturb", "wrong_slots=2"],
+                ["--kv-canary", "log", "--kv-canary-sweep", "0"],
+                ["--kv-canary-bytes", "all"]):
+        with pytest.raises(SystemExit):
+            parse_server_args(bad)
