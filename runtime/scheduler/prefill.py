@@ -48,10 +48,15 @@ class PrefillAdder:
         self.nothing_running = nothing_running
         self.batch = ScheduleBatch(mode="extend")
         self.chunked: Req | None = None  # the request left partially prefilled, if any
+        self.rows_claimed = 0  # request slots the batch's requests take when they are grown
 
     def add(self, req: Req) -> bool:
         """Try to add (a chunk of) req; False means stop adding."""
         if len(self.batch) >= self.max_new_reqs or self.budget <= 0:
+            return False
+        if req.req_pool_idx is None and self.kv.req_to_token.available <= self.rows_claimed:
+            # every request slot is held, not only by running requests: a prefill's handed-off
+            # requests keep theirs until their KV is sent, a decode's rooms while KV arrives
             return False
         fresh = not req.kv_pages  # from scratch (new, or retracted): from its cached prefix
         reused = self.kv.adopt_prefix(req) if fresh else 0
@@ -99,6 +104,8 @@ class PrefillAdder:
         return True
 
     def _take(self, req: Req) -> bool:
+        if req.req_pool_idx is None:
+            self.rows_claimed += 1
         remaining = len(req.fill_ids) - req.kv_len
         n = min(remaining, self.budget)
         is_last = n == remaining

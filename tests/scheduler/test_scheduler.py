@@ -293,3 +293,23 @@ def test_a_long_chunked_prompt_never_laps_the_future_map() -> None:
     assert_correct([first, long])
     assert runner.kv.is_all_free()
     sched.shutdown()
+
+
+def test_requests_wait_for_a_request_slot_held_outside_the_batch() -> None:
+    """Slots held by requests the scheduler does not run (a prefill's handed-off requests
+    until their KV is sent, a decode's rooms while KV arrives) are not there to take: new
+    requests wait for one instead of crashing the scheduler ("no free request slot")."""
+    runner = FakeRunner(max_reqs=4)
+    sched = Scheduler(SchedulerConfig(max_running_requests=4), runner)
+    held = [runner.kv.req_to_token.alloc() for _ in range(3)]  # as handed-off requests hold
+    reqs = [make_req(f"r{i}", 6, 3, seed=i) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(50):
+        sched.step()
+    assert sum(r.finished for r in reqs) == 5  # one at a time, through the one free slot
+    for row in held:
+        runner.kv.req_to_token.free(row)
+    assert runner.kv.is_all_free()
+    for r in reqs:
+        assert r.output_ids == expected_outputs(r.origin_input_ids, 3)
