@@ -27,7 +27,7 @@ import httpx
 from runtime.auth.key import ENV
 from tests.disagg.test_pd_failures import FAST, kv_free
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_port
+from tests.server.server_process import ServerProcess, free_ports
 
 WORDS = ["red", "green", "blue", "cyan", "gold", "gray", "pink", "teal", "navy", "lime"]
 PROMPTS = 24
@@ -41,7 +41,7 @@ class Worker:
     log_dir: Path
     model: str
     env: dict[str, str]
-    port: int = field(default_factory=free_port)
+    port: int
     lives: int = 0
     server: ServerProcess | None = None
 
@@ -80,11 +80,11 @@ class Soak:
 
 def deploy(model: str, log_dir: Path) -> Soak:
     env = {ENV: secrets.token_hex(32)}
-    workers = []
-    for _ in range(2):
-        bootstrap = free_port()
-        workers.append(Worker("prefill", ("--bootstrap-port", str(bootstrap)), log_dir, model, env))
-    workers += [Worker("decode", ("--kv-port", "0"), log_dir, model, env) for _ in range(2)]
+    ports = free_ports(8)  # all at once (HTTP, bootstrap, KV): none can be picked twice
+    workers = [Worker("prefill", ("--bootstrap-port", str(ports[i])), log_dir, model, env,
+                      port=ports[4 + i]) for i in range(2)]
+    workers += [Worker("decode", ("--kv-port", str(ports[2 + i])), log_dir, model, env,
+                       port=ports[6 + i]) for i in range(2)]
     for w in workers:
         w.start()
     for w in workers:

@@ -22,7 +22,7 @@ import pytest
 from runtime.auth.key import ENV
 from tests.disagg.test_pd_failures import FAST, eventually, kv_free, metric
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_port
+from tests.server.server_process import ServerProcess, free_ports
 
 SLOW = ("--plugin", "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
 LONG = 1000  # tokens a stream generates: a few seconds, to be caught mid-way
@@ -47,12 +47,16 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
            prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
            router_args: tuple[str, ...] = ()) -> Deployment:
     env = {ENV: secrets.token_hex(32)}
-    ports = [free_port() for _ in range(prefills)]
+    # every port at once, the decodes' KV ports too: ports picked one by one (or a KV receiver
+    # on port 0 binding first) may take a port another server is about to bind
+    picked = free_ports(2 * prefills + 2 * decodes)
+    ports, http, kv = picked[:prefills], picked[prefills:-decodes], picked[-decodes:]
     ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", "tcp",
                         *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
-                        model=str(model), env=env) for i, port in enumerate(ports)]
-    ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", "0", *FAST,
-                        *decode_args, log_path=log_dir / f"decode{i}.log", model=str(model), env=env)
+                        model=str(model), env=env, port=http[i]) for i, port in enumerate(ports)]
+    ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", str(kv[i]),
+                        *FAST, *decode_args, log_path=log_dir / f"decode{i}.log", model=str(model),
+                        env=env, port=http[prefills + i])
           for i in range(decodes)]
     for srv in (*ps, *ds):
         srv.wait_ready()

@@ -29,6 +29,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all held while they are picked: one pick cannot return a port
+    another just returned, as n calls of free_port can)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _die_with_parent() -> None:
     """In the child: SIGKILL when the test process dies, so no server outlives a killed run."""
     die_with_parent(signal.SIGKILL)
