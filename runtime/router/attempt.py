@@ -33,6 +33,7 @@ class Attempt:
         self.started = time.monotonic()
         self.upstream: httpx.Response | None = None
         self.released = False
+        self.probe = False  # the probe of a pair back from quarantine, owing it a verdict
         # counted now, not when the tasks start, so the next pick already sees the load
         proxy.enter(decode)
         self.prefill_task = proxy.spawn(self._call_prefill(prefill))

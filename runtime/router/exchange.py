@@ -155,7 +155,11 @@ class Exchange:
         self.attempt.abort()
 
     def close(self) -> None:
-        """Release D and record the request, once."""
+        """Release D (and a probe that got no verdict: the client left, the router stops) and
+        record the request, once."""
+        if self.attempt.probe and self.attempt.p is not None:
+            self.attempt.probe = False
+            self.pairs.released(self.attempt.p, self.attempt.d)
         self.attempt.release()
         if not self.recorded:
             self.recorded = True
@@ -164,9 +168,9 @@ class Exchange:
             self.proxy.metrics.on_latency(self.req.endpoint, time.monotonic() - self.started)
 
     def _start(self, req: RoutedRequest, prefill: Worker | None, decode: Worker) -> Attempt:
-        if prefill is not None:
-            self.pairs.sent(prefill, decode)
-        return Attempt(self.proxy, req, prefill, decode)
+        attempt = Attempt(self.proxy, req, prefill, decode)
+        attempt.probe = prefill is not None and self.pairs.sent(prefill, decode)
+        return attempt
 
     async def _answer(self, disconnect: asyncio.Task[None] | None,
                       ) -> tuple[httpx.Response, bytes | None]:
@@ -177,6 +181,7 @@ class Exchange:
             try:
                 upstream = await attempt.answer(disconnect)
                 if attempt.p is not None:
+                    attempt.probe = False
                     self.pairs.succeeded(attempt.p, attempt.d, time.monotonic() - attempt.started)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     return upstream, None
@@ -192,6 +197,7 @@ class Exchange:
                 self._next_try(f)
 
     def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
+        attempt.probe = False  # the verdict follows
         if attempt.p is None:
             self.avoid_workers.add(attempt.d)
         elif blames_link(failure):

@@ -68,11 +68,15 @@ class PairTable:
         state = health.state(self.clock())
         return state is PairState.HEALTHY or (state is PairState.PROBING and not health.probing)
 
-    def sent(self, prefill: Worker, decode: Worker) -> None:
-        """A request goes to this pair: if the pair is on probation, it is the probe."""
+    def sent(self, prefill: Worker, decode: Worker) -> bool:
+        """A request goes to this pair: if the pair is on probation, it is the probe (True),
+        and its sender owes the pair a verdict: `succeeded`, `failed` or `released`."""
         health = self.pairs.get((prefill.url, decode.url))
-        if health is not None and health.state(self.clock()) is PairState.PROBING:
+        if (health is not None and not health.probing
+                and health.state(self.clock()) is PairState.PROBING):
             health.probing = True
+            return True
+        return False
 
     def succeeded(self, prefill: Worker, decode: Worker, latency_s: float) -> None:
         health = self.pairs.setdefault((prefill.url, decode.url), PairHealth())

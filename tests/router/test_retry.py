@@ -57,6 +57,9 @@ def test_a_failure_before_the_answer_is_retried_on_another_pair(
         status = answer.status_code
         assert answer.json()["meta_info"]["id"] == "client-rid"  # not the retry's rid
     assert status == 200
+    # (a stand-in P may get its copy after D answered: wait for both)
+    wait_for(lambda: {w.role for w in ps + ds if w.got("client-rid.retry1")} == {
+        "prefill", "decode"}, what="the retry on both sides")
     retried = [w for w in ps + ds if w.got("client-rid.retry1")]
     assert bad not in retried and {w.role for w in retried} == {"prefill", "decode"}
     second = retried[1].generation("client-rid.retry1").body
@@ -80,9 +83,10 @@ def test_every_try_failing_gives_one_clear_error(workers: Any, router: Any) -> N
         p.steer = {"status": 503, "message": "overloaded"}
     answer = r.client.post("/v1/completions", json={**BODIES["/v1/completions"], **SLOW_D})
     assert answer.status_code == 503 and answer.json()["error"]["message"] == "overloaded"
-    assert len(d.received) == 4  # the first try and 3 retries, each aborted on D
-    rooms = {b["bootstrap_room"] for b in gens(d)}
-    rids = {b["rid"] for b in gens(d)}
+    sent = gens(ps[0]) + gens(ps[1])  # (D's copy may be cancelled before it arrives)
+    assert len(sent) == 4  # the first try and 3 retries, each aborted on D
+    rooms = {b["bootstrap_room"] for b in sent}
+    rids = {b["rid"] for b in sent}
     assert len(rooms) == 4 and len(rids) == 4  # fresh rooms and rids each time
     wait_for(lambda: set(d.aborts) == rids, what="every try aborted on D")
     assert metric(r, "baton_router_retries_total") == 3
@@ -97,7 +101,8 @@ def test_a_client_error_is_not_retried(workers: Any, router: Any) -> None:
                             "decode": {"delay_s": 0.3}}}
     answer = r.client.post("/generate", json=body)
     assert answer.status_code == 400 and answer.json()["error"]["message"] == "prompt too long"
-    assert len(d.received) == 1 and metric(r, "baton_router_retries_total") == 0
+    assert len(d.received) <= 1 and metric(r, "baton_router_retries_total") == 0
+    assert sum(len(p.received) for p in ps) == 1
 
 
 def test_no_retry_with_max_retries_zero(workers: Any, router: Any) -> None:
@@ -106,7 +111,10 @@ def test_no_retry_with_max_retries_zero(workers: Any, router: Any) -> None:
     r = router(ps, [d], "--max-retries", "0", "--policy", "round_robin")
     ps[0].steer = {"status": 500, "message": "broke"}
     answer = r.client.post("/generate", json={**GEN, **SLOW_D})
-    assert answer.status_code == 500 and len(d.received) == 1
+    assert answer.status_code == 500
+    assert metric(r, "baton_router_retries_total") == 0
+    assert len(d.received) <= 1  # (P's failure may cancel the call to D before it arrives)
+    assert not any(w.received for w in ps[1:])
 
 
 def contents(path: str, got: list[Any]) -> list[str]:
@@ -282,8 +290,11 @@ def test_pair_table_states_and_backoff() -> None:
     assert not table.usable(p, d) and table.states()[(p.url, d.url)] is PairState.QUARANTINED
     now[0] = 1.0
     assert table.usable(p, d)
-    table.sent(p, d)  # the probe
-    assert not table.usable(p, d)  # one probe at a time
+    assert table.sent(p, d)  # the probe
+    assert not table.usable(p, d) and not table.sent(p, d)  # one probe at a time
+    table.released(p, d)  # its client left: no verdict, the next request probes
+    assert table.usable(p, d)
+    assert table.sent(p, d)
     table.failed(p, d, "x")  # the probe failed: twice as long
     assert table.view()[0]["backoff_s"] == 2.0
     now[0] = 3.0
