@@ -9,8 +9,9 @@ that deduplicates keys.
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -44,6 +45,41 @@ class Gates:
             with self._guard:
                 gate.waiting -= 1
             yield True
+
+
+class Retries:
+    """Passes to run again later, at most one pending per service. kopf retries its own
+    handlers after a TemporaryError, but not event handlers: a child's event whose pass failed
+    on an API error would be lost, with the events that skipped behind it (see `Gates`), until
+    the resync. The pass runs in the caller's context (kopf's event posting lives there)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._timers: dict[Key, threading.Timer] = {}
+
+    def later(self, key: Key, delay: float, run: Callable[[], None]) -> None:
+        with self._guard:
+            if key in self._timers:
+                return
+            timer = threading.Timer(delay, self._fire, (key, contextvars.copy_context(), run))
+            timer.daemon = True
+            self._timers[key] = timer
+            timer.start()
+
+    def _fire(self, key: Key, context: contextvars.Context, run: Callable[[], None]) -> None:
+        with self._guard:
+            self._timers.pop(key, None)
+        context.run(run)
+
+    def pending(self) -> list[Key]:
+        with self._guard:
+            return list(self._timers)
+
+    def cancel(self) -> None:
+        with self._guard:
+            timers, self._timers = list(self._timers.values()), {}
+        for timer in timers:
+            timer.cancel()
 
 
 class Claims:

@@ -8,7 +8,8 @@ Every cause runs the same complete pass over the service, reading it afresh:
   holds a child's name (a NameConflict clears as soon as it is deleted);
 - a resync timer, the safety net for anything missed.
 A spec that can never work gets Ready=False/InvalidSpec and a PermanentError (no retries);
-API trouble becomes a TemporaryError and kopf retries after a delay. Each pass asks the API's
+API trouble becomes a TemporaryError and kopf retries after a delay (a child event's pass,
+which kopf does not retry, is run again by `Retries`). Each pass asks the API's
 discovery what the cluster serves (capabilities.py) and counts itself in the operator's
 metrics (metrics.py).
 """
@@ -27,7 +28,7 @@ import urllib3
 from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
 from baton_operator.capabilities import probe
 from baton_operator.config import OperatorConfig
-from baton_operator.gates import Claims, Gates
+from baton_operator.gates import Claims, Gates, Retries
 from baton_operator.kube import ApiError, Kube
 from baton_operator.metrics import METRICS
 from baton_operator.reconcile import PassResult, owner_of, run_pass
@@ -65,6 +66,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube.from_environment()
     memo.gates = Gates()
     memo.claims = Claims()
+    memo.retries = Retries()
+
+
+@kopf.on.cleanup()
+def stop_retries(memo: kopf.Memo, **_: Any) -> None:
+    memo.retries.cancel()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -101,9 +108,19 @@ def child_handler(kind: str) -> Callable[..., None]:
             return
         owner = owner_of(body) or memo.claims.waiting_for(namespace, kind, name)
         if owner is not None:
-            _pass(memo, namespace, owner, skippable=True)
+            _pass_or_retry(memo, namespace, owner)
 
     return child_changed
+
+
+def _pass_or_retry(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """An event's pass; after an API error, the same pass again in `retry_seconds`."""
+    try:
+        _pass(memo, namespace, name, skippable=True)
+    except kopf.TemporaryError as e:
+        LOG.warning("%s/%s: %s; next pass in %gs", namespace, name, e, CONFIG.retry_seconds)
+        memo.retries.later((namespace, name), CONFIG.retry_seconds,
+                           lambda: _pass_or_retry(memo, namespace, name))
 
 
 for _group, _version, _plural, _kind in CHILD_KINDS:
