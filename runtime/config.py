@@ -158,7 +158,9 @@ class DisaggConfig:
     """Prefill/decode disaggregation (docs/disaggregation.md "Disaggregation flow"). Timeouts can also come
     from the environment (BATON_BOOTSTRAP_TIMEOUT_S, ...: runtime/server/args.py reads them)."""
 
-    bootstrap_port: int = field(default=8998, metadata=_help("prefill: the bootstrap server's port"))
+    bootstrap_port: int = field(default=8998, metadata=_help(
+        "prefill: the bootstrap server's port (decode with --move-kv-on-drain: where another "
+        "decode fetches a moved request's KV; 0: any free port)"))
     kv_port: int = field(default=8999, metadata=_help(
         "decode: the KV receiver's port, where prefill servers open their links (0: any free port)"))
     cluster_key_file: str | None = field(default=None, metadata=_help(
@@ -185,6 +187,10 @@ class DisaggConfig:
         metadata=_help("address peers reach this server's KV endpoint on (default: $POD_IP, "
                        "else --host unless it is a wildcard, else this host's name)"),
     )
+    move_kv_on_drain: bool = field(default=False, metadata=_help(
+        "decode: when it drains (SIGTERM), hand each stream the router follows to another "
+        "decode with its KV (offered on --bootstrap-port) instead of leaving the router to "
+        "recompute it there"))
     allow_local_prefill: bool = field(default=False, metadata=_help(
         "decode: also serve a request that comes without bootstrap fields, prefilling it here "
         "(the router's --fallback colocated, when no prefill can take it)"))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishKind = Literal["stop", "length", "abort"]
+KV_MOVED = "its KV moved to another decode server"  # the abort message of a moved request
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # why, for aborts
+    # a draining decode moved the request's KV (runtime/disagg/move.py): where its stream goes
+    # on (bootstrap_host, bootstrap_port, bootstrap_room, instance_id); never shown to a client
+    move: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "matched": self.matched, "message": self.message}
@@ -38,6 +42,7 @@ class GenerateRequest:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     bootstrap_ticket: str | None = None  # verified by the HTTP process
+    allow_kv_move: bool = False  # its client can follow it to another decode (a router)
 
 
 @dataclass

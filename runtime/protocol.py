@@ -54,7 +54,8 @@ class Resume(_Strict):
 class Bootstrap(_Strict):
     """What `baton router` adds to a request for a prefill/decode pair (docs/disaggregation.md "Wire contract"):
     the request id, the prefill's bootstrap address and one room per choice; to resume a stream,
-    what it already produced; to follow a stream's tokens, `return_token_ids`."""
+    what it already produced; to follow a stream's tokens, `return_token_ids`; to let a draining
+    decode move it, `allow_kv_move`."""
 
     rid: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     bootstrap_host: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -63,6 +64,9 @@ class Bootstrap(_Strict):
     bootstrap_ticket: Annotated[str, Field(max_length=4096)] | None = None  # runtime/auth/ticket.py
     resume: Resume | None = None  # continue after these output tokens (one choice only)
     return_token_ids: bool = False  # OpenAI streams: each chunk's choice carries `token_ids`
+    # a one-choice stream whose client follows it (a router): a draining decode may move it,
+    # KV and all, to another decode, ending it with where it went (docs/router.md "Migration")
+    allow_kv_move: bool = False
 
     def rooms(self, role: str, choices: int) -> list[int | None]:
         """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""

@@ -37,6 +37,7 @@ from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import R, SchedulerPort
 from runtime.disagg.lanes import Lanes
+from runtime.disagg.move import Mover
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
@@ -77,6 +78,7 @@ class DecodeRole(Generic[R]):
     tally: Tally  # KV-plane events counted on the receiver's threads
     stats: DisaggStats = field(default_factory=DisaggStats)
     canary: HandoffCanary | None = None  # checks the prompt KV on arrival
+    mover: Mover[R] | None = None  # drains by moving its streams' KV to another decode
 
     def __post_init__(self) -> None:
         self.rooms: RoomTable[_Room[R]] = RoomTable()  # the scheduler loop's thread only
@@ -118,6 +120,8 @@ class DecodeRole(Generic[R]):
         self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
                                            if r.room.state is RoomState.FAILED)
         self.stats.count_kv_plane(self.tally.take())
+        if self.mover is not None:
+            touched.extend(self.mover.poll())
         if time.monotonic() >= self.sweep_at:  # lanes of prefills no room needs any more
             self.sweep_at = time.monotonic() + SWEEP_S
             watched = self._watched() | set(self.heartbeats.pending)
@@ -298,9 +302,18 @@ class DecodeRole(Generic[R]):
         return sum(1 for r in self.rooms.rooms.values() if not r.req.finished)
 
     def has_work(self) -> bool:
-        return bool(self.rooms or self._aborted)
+        return bool(self.rooms or self._aborted) or (self.mover is not None
+                                                     and self.mover.has_work())
+
+    def drain(self) -> None:
+        """The server drains: its followed streams move to another decode, KV and all."""
+        if self.mover is not None:
+            self.mover.drain()
+            self.wake()
 
     def close(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
         self.receiver.close()
         self.lanes.shutdown()
         self.client.close()

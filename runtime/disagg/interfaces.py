@@ -7,7 +7,7 @@ scheduler -> disagg); the scheduler's Req and Scheduler satisfy them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, Self, TypeVar
 
 from runtime.kvcache.manager import KVHolder
 
@@ -24,6 +24,7 @@ class PDRequest(KVHolder, Protocol):
     output_top_logprobs: list[list[tuple[int, float]]]
     customized_info: dict[str, list[Any]]
     cached_tokens: int  # prompt tokens found in the prefill's prefix cache
+    movable: bool  # decode role: its client can follow it to another decode
 
     @property
     def finished(self) -> bool: ...
@@ -39,6 +40,8 @@ class PDRequest(KVHolder, Protocol):
     def finish(self, kind: Literal["length", "abort"], message: str | None = None) -> None: ...
 
     def hand_off_after_prompt(self) -> None: ...
+
+    def split_off(self, rid: str, room: int, move: dict[str, Any]) -> Self: ...
 
 
 R = TypeVar("R", bound=PDRequest)

@@ -61,6 +61,7 @@ class _Room(Generic[R]):
     handed_off: bool = False  # the scheduler is done with it; we own it and its KV
     sending: Future[Sent] | None = None
     undo: Callable[[], None] | None = None  # of a fault injected into its pages before sending
+    fence: int | None = None  # adopted: its pages leave once the scheduler passed this KV fence
 
 
 @dataclass
@@ -168,6 +169,16 @@ class PrefillRole(Generic[R]):
             r.cancelled = r.cancelled or self.cancelled.pop(req.bootstrap_room, None) is not None
             self.rooms.name(req.rid, req.bootstrap_room)
 
+    def adopt(self, req: R, fence: int) -> None:
+        """A request whose KV and first token are here already (a draining decode's request,
+        split off: runtime/disagg/move.py): its room waits for a decode server to ask for it,
+        and its pages leave once every forward launched before `fence` has finished."""
+        assert req.bootstrap_room is not None
+        with self.lock:
+            r = self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room)))
+            r.req, r.submitted, r.handed_off, r.fence = req, True, True, fence
+            self.rooms.name(req.rid, req.bootstrap_room)
+
     def _take_handed_off(self) -> None:
         """Requests the scheduler is done with (prompt KV written, first token sampled): ours
         now, and their KV. One whose room ended meanwhile only has its KV freed."""
@@ -205,7 +216,8 @@ class PrefillRole(Generic[R]):
         if r.room.state is RoomState.BOOTSTRAPPING:
             self._bootstrap(r, touched)  # may find the pages of a request prefilled already
         state = r.room.state
-        if state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids:
+        if state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids \
+                and (r.fence is None or self.scheduler.fence_passed(r.fence)):
             self._start_transfer(r, touched)
         elif state is RoomState.TRANSFERRING and r.sending is not None and r.sending.done():
             self._finish_transfer(r, r.sending, touched)
@@ -328,6 +340,9 @@ class PrefillRole(Generic[R]):
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)
+
+    def drain(self) -> None:
+        pass  # what it holds is sent or fails within the bootstrap timeout; the scheduler drains
 
     def close(self) -> None:
         """Writes end first and the bootstrap port closes last: a decode that finds it refusing

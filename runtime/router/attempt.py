@@ -26,7 +26,8 @@ TRANSFER_FAILED = "kv_transfer_failed"  # a worker's code for a KV handoff that 
 
 
 class Attempt:
-    """One try; without a prefill (the router's fallback) D prefills the request itself."""
+    """One try; without a prefill, D takes the KV a draining decode moved (`req.kv_from`), or
+    (the router's fallback) prefills the request itself."""
 
     def __init__(self, proxy: Proxy, req: RoutedRequest, prefill: Worker | None, decode: Worker):
         self.proxy, self.req, self.p, self.d = proxy, req, prefill, decode
@@ -108,7 +109,8 @@ class Attempt:
     async def _open_decode(self) -> httpx.Response:
         """D's response with its headers in and its body still to read (a 2xx only)."""
         client = self.proxy.client
-        body = self.req.for_local() if self.p is None else self.req.for_decode(self.p)
+        moving = self.p is not None or self.req.kv_from is not None
+        body = self.req.for_decode(self.p) if moving else self.req.for_local()
         request = client.build_request("POST", f"{self.d.url}{self.req.endpoint}", json=body,
                                        timeout=self.proxy.timeout)
         try:

@@ -43,6 +43,8 @@ from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 log = logging.getLogger("baton.router")
 Route = Callable[[RoutedRequest, set[Worker], set[tuple[Worker, Worker]]],
                  tuple[RoutedRequest, Worker | None, Worker]]  # no prefill: the fallback
+# (request, the draining decode, its `kv_move`) -> (request, the decode that takes the KV)
+MoveRoute = Callable[[RoutedRequest, Worker, dict[str, Any]], tuple[RoutedRequest, Worker] | None]
 DONE_EVENT = DONE_BYTES.strip()
 T = TypeVar("T")
 
@@ -51,11 +53,16 @@ class Exchange:
     """One client request and its attempts."""
 
     def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
-                 prefill: Worker | None, decode: Worker):
-        self.proxy, self.pairs, self.route = proxy, pairs, route
+                 prefill: Worker | None, decode: Worker, move: MoveRoute | None = None):
+        self.proxy, self.pairs, self.route, self.move = proxy, pairs, route, move
         self.follower = follower_for(req, proxy.config.max_migrations)
-        if self.follower is not None and req.endpoint in (CHAT, COMPLETIONS):
-            req = replace(req, body={**req.body, "return_token_ids": True})
+        # a followed stream may move, and a draining decode may move it with its KV
+        body = {k: v for k, v in req.body.items() if k != "allow_kv_move"}
+        if self.follower is not None:
+            body["allow_kv_move"] = True
+            if req.endpoint in (CHAT, COMPLETIONS):
+                body["return_token_ids"] = True
+        req = replace(req, body=body)
         self.req = req  # the first try's: its endpoint and the client's rid
         self.base = req  # what the next try is made from (with `resume` after a migration)
         self.started = self.phase_started = time.monotonic()
@@ -146,9 +153,25 @@ class Exchange:
         self.base = replace(self.req, body={**self.req.body, "resume": follower.resume()})
         self.avoid_workers.add(self.attempt.d)
         self.phase_started, self.retries = time.monotonic(), 0
-        self.proxy.metrics.on_migration(failure.reason)
-        self._next_try(failure)
+        move = failure.body.get("kv_move")
+        self.proxy.metrics.on_migration("kv_move" if move else failure.reason)
+        if not (isinstance(move, dict) and self._move_try(move)):
+            self._next_try(failure)
         await self._answer(None)
+
+    def _move_try(self, move: dict[str, Any]) -> bool:
+        """The next attempt takes the KV the draining decode offers where `move` says, on
+        another decode (False: none can; then the tokens are replayed on a pair)."""
+        source = self.attempt.d
+        self.tries += 1
+        target = self.move(self.base.retried(self.tries), source, move) if self.move else None
+        if target is None:
+            return False
+        req, decode = target
+        log.info("%s: moving with its KV from decode %s to decode %s", self.req.rid, source.url,
+                 decode.url)
+        self.attempt = self._start(req, None, decode)
+        return True
 
     def client_left(self) -> None:
         self.status = CLIENT_GONE
@@ -183,6 +206,8 @@ class Exchange:
                 if attempt.p is not None:
                     attempt.probe = False
                     self.pairs.succeeded(attempt.p, attempt.d, time.monotonic() - attempt.started)
+                elif attempt.req.kv_from is not None:
+                    self.proxy.metrics.on_kv_migration()
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     return upstream, None
                 content = await _until(self.proxy.spawn(attempt.read(upstream)), disconnect)
@@ -198,6 +223,8 @@ class Exchange:
 
     def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
         attempt.probe = False  # the verdict follows
+        if attempt.p is None and attempt.req.kv_from is not None:
+            return  # the moved KV did not come: the tokens are replayed (on any pair)
         if attempt.p is None:
             self.avoid_workers.add(attempt.d)
         elif blames_link(failure):

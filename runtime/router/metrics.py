@@ -58,6 +58,10 @@ class RouterMetrics:
             "baton_router_migrations",
             "Streams moved to another pair after their first byte, by the decode's failure",
             ["reason"], registry=r)
+        self.kv_migrations = Counter(
+            "baton_kv_migrations",
+            "Streams a draining decode handed to another decode with their KV (nothing "
+            "recomputed)", registry=r)
         self.pair_state = Gauge(
             "baton_router_pair_state",
             "State of each (prefill, decode) pair that has seen a request: 0 healthy, "
@@ -71,6 +75,9 @@ class RouterMetrics:
 
     def on_migration(self, reason: str) -> None:
         self.migrations.labels(reason=reason).inc()
+
+    def on_kv_migration(self) -> None:
+        self.kv_migrations.inc()
 
     def set_pairs(self, states: Mapping[tuple[str, str], int]) -> None:
         self.pair_state.clear()

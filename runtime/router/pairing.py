@@ -11,6 +11,8 @@ itself (no prefill: `None`), else a 503 names the cause.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from runtime.auth.key import ClusterKey
 from runtime.router.config import RouterConfig
@@ -52,6 +54,25 @@ class Pairing:
         p, d = self.policy.pick(prefill, decode, ids, allowed)
         log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
         return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
+
+    def move(self, req: RoutedRequest, source: Worker, move: Mapping[str, Any],
+             ) -> tuple[RoutedRequest, Worker] | None:
+        """A ready decode to take over `req` from `source`, a draining decode that offers
+        the stream's KV where `move` says (runtime/disagg/move.py), with `req` addressed and
+        signed for it; None when no decode can (the stream's tokens are replayed instead)."""
+        host, port, room = (move.get(k) for k in ("bootstrap_host", "bootstrap_port",
+                                                  "bootstrap_room"))
+        if not (isinstance(host, str) and host and isinstance(port, int)
+                and isinstance(room, int) and source.instance_id
+                and move.get("instance_id") == source.instance_id):
+            return None
+        decodes = [d for d in self.workers.decode.ready()
+                   if d is not source and d.kv_transfer == source.kv_transfer]
+        if not decodes:
+            return None
+        decode = least_loaded(decodes)
+        moved = req.moved(host, port, room)
+        return moved.signed(self.key, source, decode, self.config.ticket_ttl_s), decode
 
     def _fallback(self, avoided: set[Worker]) -> Worker:
         """`--fallback colocated`: a ready decode that prefills requests itself."""

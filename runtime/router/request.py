@@ -45,6 +45,7 @@ class RoutedRequest:
     parsed: ClientRequest  # the body as the worker's request model reads it
     ticket: str | None = None  # signed for the pair it goes to (`signed`)
     client_rid: str | None = None  # the rid the client chose (/generate), which it sees back
+    kv_from: tuple[str, int] | None = None  # a moved stream's KV: the draining decode's bootstrap
 
     @property
     def rid(self) -> str:
@@ -61,18 +62,25 @@ class RoutedRequest:
                 "bootstrap_room": new_rooms(len(rooms) if isinstance(rooms, list) else 1)}
         return replace(self, body=body, ticket=None)
 
+    def moved(self, host: str, port: int, room: int) -> RoutedRequest:
+        """This request (a retry of it) for a decode that takes the KV a draining decode
+        offers in `room` at its bootstrap `host`:`port` (runtime/disagg/move.py)."""
+        return replace(self, body={**self.body, "bootstrap_room": room}, kv_from=(host, port))
+
     def signed(self, key: ClusterKey, prefill: Worker, decode: Worker, ttl_s: float) -> RoutedRequest:
         """This request with a room ticket for (prefill, decode) (runtime/auth/ticket.py);
         as it is without a cluster key."""
+        host, port = self.kv_from or (prefill.host, prefill.bootstrap_port or 0)
         if not key.enabled:
             return self
         ticket = sign(key, self.body["bootstrap_room"], self.rid, prefill.instance_id or "",
-                      prefill.host, prefill.bootstrap_port or 0, decode.instance_id or "", ttl_s)
+                      host, port, decode.instance_id or "", ttl_s)
         return replace(self, ticket=ticket)
 
-    def for_decode(self, prefill: Worker) -> dict[str, Any]:
-        body = {**self.body, "bootstrap_host": prefill.host,
-                "bootstrap_port": prefill.bootstrap_port}
+    def for_decode(self, prefill: Worker | None) -> dict[str, Any]:
+        """The body for D: its KV comes from `prefill`, or (None) from where `kv_from` says."""
+        host, port = (prefill.host, prefill.bootstrap_port) if prefill else self.kv_from or ("", 0)
+        body = {**self.body, "bootstrap_host": host, "bootstrap_port": port}
         if self.ticket is not None:
             body["bootstrap_ticket"] = self.ticket
         return body

@@ -202,6 +202,7 @@ class SchedulerLoop:
             self._send(self._cache_report(msg))
         elif isinstance(msg, DrainRequest):
             self.scheduler.drain()
+            self.role.drain()
         elif isinstance(msg, ShutdownRequest):
             for rid in self.inflight():
                 self.role.abort(rid, msg.message)
@@ -229,6 +230,7 @@ class SchedulerLoop:
                 bootstrap_port=msg.bootstrap_port,
                 bootstrap_room=msg.bootstrap_room,
                 bootstrap_ticket=msg.bootstrap_ticket,
+                movable=msg.allow_kv_move,
             )
             self.role.add(req)
         except InvalidRequest as e:

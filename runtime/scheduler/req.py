@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import FinishKind, FinishReason
+from runtime.messages import KV_MOVED, FinishKind, FinishReason
 from runtime.sampling_params import SamplingParams
 
 
@@ -44,8 +44,10 @@ class Req:
     # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
     needs_penalty_reset: bool = False
     # Prefill role: once its first token is sampled the scheduler hands it (and its KV) over to
-    # the role (`Scheduler.take_handed_off`) instead of decoding it.
+    # the role (`Scheduler.take_handed_off`) instead of decoding it. A draining decode sets it on
+    # a running request to move it: its next token is the hand-over's (`split_off`).
     hand_off: bool = False
+    movable: bool = False  # decode role: its client (the router) can follow it to another decode
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     seed: int = field(default_factory=lambda: random.getrandbits(63))
@@ -91,6 +93,29 @@ class Req:
         decode server samples the rest); then the scheduler hands it over (`hand_off`)."""
         self.sampling_params = dataclasses.replace(self.sampling_params, max_new_tokens=1)
         self.hand_off = True
+
+    def split_off(self, rid: str, room: int, move: dict[str, Any]) -> Req:
+        """Decode role, draining: this request goes on on another decode (runtime/disagg/
+        move.py). The new request `rid` holds this one's KV and seed; its prompt is the prompt
+        and every output token but the newest (the tokens whose KV is written), and the newest
+        token is its first, as a prefill hands a request over. This one keeps the tokens its
+        client has or is due, and ends with the `move` that says where it went."""
+        moved = Req(rid, self.fill_ids[:-1], self.sampling_params, self.stream,
+                    self.return_logprob, self.top_logprobs_num, bootstrap_room=room,
+                    hand_off=True, seed=self.seed)
+        token = self.output_ids.pop()
+        logprob = self.output_logprobs.pop() if self.return_logprob and self.output_logprobs else None
+        top = self.output_top_logprobs.pop() if logprob is not None and self.top_logprobs_num \
+            and self.output_top_logprobs else None
+        info = {key: values.pop() for key, values in self.customized_info.items() if values}
+        moved.append_token(token, logprob, top, info)
+        moved.cached_tokens = self.cached_tokens  # (the prefill's, which its usage reports)
+        for name in ("req_pool_idx", "kv_pages", "kv_len", "computed_len", "cache_node"):
+            setattr(moved, name, getattr(self, name))
+        self.req_pool_idx, self.kv_pages, self.cache_node = None, [], None
+        self.kv_len = self.computed_len = 0
+        self.finished_reason = FinishReason("abort", message=KV_MOVED, move=move)
+        return moved
 
     def check_finished(
         self,

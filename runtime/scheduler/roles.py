@@ -26,6 +26,7 @@ from runtime.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from runtime.canary.guard import CanaryGuard
+    from runtime.disagg.prefill import PrefillRole
     from runtime.disagg.transfer.base import KVTransfer
 
 log = logging.getLogger("baton.scheduler")
@@ -56,6 +57,9 @@ class Role(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def drain(self) -> None:
+        """The server drains (SIGTERM): a decode moves its followed streams elsewhere."""
+
     def close(self) -> None: ...
 
 
@@ -85,6 +89,9 @@ class ColocatedRole:
 
     def has_work(self) -> bool:
         return False
+
+    def drain(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -123,21 +130,27 @@ def build_role(
         transfer.layout = replace(transfer.layout, canary_tags=True,
                                   canary_bytes=args.canary.kv_canary_bytes)
     tally = Tally()
-    if args.role == "prefill":
+
+    def sender() -> PrefillRole[Req]:
+        """The sending side: a prefill's, or a draining decode's (its moved requests)."""
         from runtime.auth.signed import CallGate
         from runtime.disagg.bootstrap import BootstrapServer
         from runtime.disagg.prefill import PrefillRole
         from runtime.disagg.sender import KVSender
 
-        warn_if_open(key, f"prefill {name} (bootstrap port {args.disagg.bootstrap_port})")
-        prefill: PrefillRole[Req] = PrefillRole(
+        warn_if_open(key, f"{args.role} {name} (bootstrap port {args.disagg.bootstrap_port})")
+        role: PrefillRole[Req] = PrefillRole(
             scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
             tally, canary=handoff)
-        prefill.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, prefill,
-                                            CallGate(key), tally)
-        prefill.ready = True
-        return prefill
+        role.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, role,
+                                         CallGate(key), tally)
+        role.ready = True
+        return role
+
+    if args.role == "prefill":
+        return sender()
     from runtime.disagg.decode import DecodeRole
+    from runtime.disagg.move import Mover
     from runtime.disagg.peers import PrefillClient
     from runtime.disagg.receiver import KVReceiver
     from runtime.disagg.wire import PeerRegistration
@@ -148,7 +161,8 @@ def build_role(
                           transfer.name, transfer.local_info())
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
+    mover = Mover(scheduler, sender(), me.receiver_host) if args.disagg.move_kv_on_drain else None
     decode: DecodeRole[Req] = DecodeRole(
         scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
-        wake, vocab_size, tally, canary=handoff)
+        wake, vocab_size, tally, canary=handoff, mover=mover)
     return decode

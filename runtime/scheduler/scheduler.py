@@ -148,9 +148,17 @@ class Scheduler:
     def fence_passed(self, fence: int) -> bool:
         return self.finished_forwards >= fence
 
+    def hand_off_running(self, pick: Callable[[Req], bool]) -> None:
+        """Decode role, draining: the decoding requests `pick` chooses are handed over with
+        their next token (`take_handed_off`) instead of going on here, unless it ends them."""
+        for req in self.running.reqs:
+            if not req.finished and not req.hand_off and pick(req):
+                req.hand_off = True
+
     def take_handed_off(self) -> list[Req]:
-        """Prefill role: the `hand_off` requests whose prompt KV is written and first token
-        sampled since the last call; from now on the caller owns them and their KV."""
+        """The `hand_off` requests whose KV is written and newest token sampled since the
+        last call (prefill role: the prompt's and the first token); from now on the caller owns
+        them and their KV."""
         out, self._handed_off = self._handed_off, []
         return out
 
@@ -282,12 +290,15 @@ class Scheduler:
                 list(zip(top[1][i][:k], top[0][i][:k], strict=True)) if top and k else None,
                 {key: values[i] for key, values in info.items()},
             )
-            if req.hand_off:  # its KV is written and its first token here: the role's now
-                self._handed_off.append(req)
+            if req.hand_off and done.mode == "extend":  # prefill role: KV and first token
+                self._handed_off.append(req)  # are here, the request is the role's now
                 continue
             req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
             if req.finished:
                 self.kv.release(req)
+            elif req.hand_off:  # a draining decode moves it, with this token (`hand_off_running`)
+                self._handed_off.append(req)
+                continue
             touched.append(req)
         return touched
 

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import FinishReason, GenerateRequest, ReqOutput
+from runtime.errors import error_body
+from runtime.messages import KV_MOVED, FinishReason, GenerateRequest, ReqOutput
 from runtime.protocol import Resume
 from runtime.server.detokenizer import IncrementalDetokenizer
 from runtime.server.tokenizer_manager import (
@@ -29,6 +30,23 @@ ABORT_ACK_TIMEOUT_S = 10.0
 
 class KVTransferFailed(RuntimeError):
     """A prefill/decode request whose KV handoff failed (the message says why): a 502."""
+
+
+class KVMoved(SchedulerUnavailable):
+    """A draining decode moved the request, KV and all (runtime/disagg/move.py): its stream
+    ends with an error event that says where it goes on (`kv_move`), which the router follows
+    (docs/router.md "Migration"); before any response, a 503."""
+
+    def __init__(self, move: dict[str, Any]) -> None:
+        super().__init__(f"{SHUTTING_DOWN}: {KV_MOVED}")
+        self.move = move
+
+
+def stream_error(e: Exception) -> dict[str, Any]:
+    """The in-band error event that ends a stream which failed mid-way."""
+    if isinstance(e, KVMoved):
+        return {**error_body(str(e), "service_unavailable", "kv_moved"), "kv_move": e.move}
+    return error_body(str(e), "server_error", "stream_failed")
 
 
 @dataclass
@@ -80,10 +98,15 @@ class Generation:
             self.detok.prime(resume.output_ids, resume.text_chars)
         self.prompt_tokens = len(req.input_ids) - self.resumed
         self.finished = False
+        self.moved: dict[str, Any] | None = None  # where it went, once its tokens are out
         self.state: ReqState = tm.submit(req, group)
 
     async def next(self) -> Delta:
-        """The next delta; raises InvalidRequest if the scheduler refused the request."""
+        """The next delta; raises InvalidRequest if the scheduler refused the request, and
+        KVMoved once a request moved away has delivered its last tokens."""
+        if self.moved is not None:
+            self.finished = True
+            raise KVMoved(self.moved)
         try:
             out = await self.tm.next_output(self.state, self.timeout)
         except RequestTimeout as e:
@@ -95,6 +118,11 @@ class Generation:
 
     def _delta(self, out: ReqOutput) -> Delta:
         reason = out.finished_reason
+        if reason is not None and reason.move is not None:
+            self.moved, reason = reason.move, None  # its tokens go out first, if any
+            if not out.output_ids:
+                self.finished = True
+                raise KVMoved(self.moved)
         if reason is not None:
             self.finished = True
             if self._handed_back(reason):

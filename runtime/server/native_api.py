@@ -22,7 +22,14 @@ from runtime.protocol import AbortBody, GenerateBody
 from runtime.result import generate_result
 from runtime.sampling_params import SamplingParams
 from runtime.server import sse
-from runtime.server.generation import Delta, Generation, finish, interleave, start
+from runtime.server.generation import (
+    Delta,
+    Generation,
+    finish,
+    interleave,
+    start,
+    stream_error,
+)
 from runtime.server.json_route import JsonRoute
 from runtime.server.resume import resumed
 from runtime.server.tokenizer_manager import TokenizerManager
@@ -57,6 +64,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=room,
         bootstrap_ticket=body.bootstrap_ticket,
+        allow_kv_move=body.allow_kv_move and body.stream,
     ), body.resume)
 
 
@@ -77,7 +85,7 @@ async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> Asyn
         async for d in interleave(gens, firsts):
             yield sse.event(result(rid, d))
     except Exception as e:
-        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+        yield sse.event(stream_error(e))
     yield sse.DONE
 
 

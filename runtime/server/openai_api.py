@@ -14,14 +14,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from runtime.errors import error_body
 from runtime.messages import GenerateRequest
 from runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.sampling_params import SamplingParams
 from runtime.server import openai_format as fmt
 from runtime.server import sse
 from runtime.server.errors import ApiError
-from runtime.server.generation import Delta, Generation, finish, interleave, start
+from runtime.server.generation import (
+    Delta,
+    Generation,
+    finish,
+    interleave,
+    start,
+    stream_error,
+)
 from runtime.server.json_route import JsonRoute
 from runtime.server.resume import check_one_choice, resumed
 from runtime.server.tokenizer_manager import TokenizerManager
@@ -60,6 +66,7 @@ def _requests(
                 top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
                 bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
                 bootstrap_ticket=body.bootstrap_ticket,
+                allow_kv_move=body.allow_kv_move and body.stream and len(prompts) * body.n == 1,
             ), body.resume))
     return reqs
 
@@ -111,7 +118,7 @@ async def _completion_events(
                 _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("text_completion", rid, body.model, [choice]))
     except Exception as e:  # mid-stream: the status line is gone, report in-band
-        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+        yield sse.event(stream_error(e))
     for event in _stream_tail("text_completion", rid, body, prompt_tokens, last):
         yield event
 
@@ -153,7 +160,7 @@ async def _chat_events(
                 _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("chat.completion.chunk", rid, body.model, [choice]))
     except Exception as e:
-        yield sse.event(error_body(str(e), "server_error", "stream_failed"))
+        yield sse.event(stream_error(e))
     for event in _stream_tail("chat.completion.chunk", rid, body, prompt_tokens, last):
         yield event
 

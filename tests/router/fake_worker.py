@@ -10,6 +10,8 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `gated`: before each event after the first, wait until the test calls `release()`;
 - `die_after`: drop the connection after this many events (no [DONE]);
 - `error_after`: after this many events, an in-band error event, then [DONE];
+- `move_after` with `move` (bootstrap host, port, room): after this many events, the error
+  event of a draining decode that moved the stream's KV (`kv_move`, with its instance id);
 - `delay_s`: wait this long before answering;
 - `linger_s`: keep the stream open this long after `data: [DONE]`.
 A stream with `resume` starts at event len(resume.output_ids) (event i is token i, "toki ").
@@ -51,6 +53,7 @@ class FakeWorker:
         self.ready_delay_s = 0.0  # GET /ready answers this late
         self.kv_transfer: dict[str, Any] | None = None  # what its /ready shows, if anything
         self.local_prefill = False  # a decode's /ready: it prefills requests without a room
+        self.instance_id = f"fake-{role}-{id(self):x}"  # its /ready: room tickets name it
         self.received: list[Received] = []
         self.aborts: list[str] = []
         self.sent_at: list[float] = []  # time.monotonic() of every streamed event
@@ -98,7 +101,7 @@ class FakeWorker:
         @app.get("/ready")
         async def ready() -> Response:
             await asyncio.sleep(self.ready_delay_s)
-            body: dict[str, Any] = {"ready": self.ready}
+            body: dict[str, Any] = {"ready": self.ready, "instance_id": self.instance_id}
             if self.kv_transfer is not None:
                 body["kv_transfer"] = self.kv_transfer
             if self.local_prefill:
@@ -166,6 +169,12 @@ class FakeWorker:
             if steer.get("error_after") == i:  # as a worker whose scheduler failed mid-stream
                 yield _sse({"error": {"message": "scheduler died", "type": "server_error",
                                       "code": "stream_failed", "param": None}})
+                break
+            if steer.get("move_after") == i:  # as a draining decode that moved the KV away
+                yield _sse({"error": {"message": "shutting down: its KV moved",
+                                      "type": "service_unavailable", "code": "kv_moved",
+                                      "param": None},
+                            "kv_move": {"instance_id": self.instance_id, **steer["move"]}})
                 break
             last = i == chunks - 1
             self.sent_at.append(time.monotonic())

@@ -59,9 +59,12 @@ def test_both_sides_get_the_body_rid_and_one_room(pd: PD, path: str, stream: boo
     assert isinstance(room, int) and 0 <= room < 2**63
     assert isinstance(rid, str) and len(rid) == 32  # uuid4().hex
     assert (sent_p["bootstrap_host"], sent_p["bootstrap_port"]) == ("127.0.0.1", 8998)
-    # D: the client's body as sent (a one-choice OpenAI stream: with token ids, which the
-    # router follows to move it if D fails); P: the same, but never streaming
-    follow = {"return_token_ids": True} if stream and path != "/generate" else {}
+    # D: the client's body as sent (a one-choice stream, which the router follows to move
+    # it if D fails: one a draining decode may move with its KV, and an OpenAI one with
+    # token ids); P: the same, but never streaming
+    follow: dict[str, bool] = {"allow_kv_move": True} if stream else {}
+    if stream and path != "/generate":
+        follow["return_token_ids"] = True
     assert {k: v for k, v in sent_d.items() if not k.startswith(("bootstrap_", "rid"))} == {
         **body, **follow}
     assert sent_p["stream"] is False and "stream_options" not in sent_p
