@@ -77,7 +77,7 @@ class ScheduleBatch:
         for req, last in zip(self.reqs, self.is_last_chunk, strict=True):
             if last and req.sampling_params.uses_penalties:
                 assert req.req_pool_idx is not None
-                resets.append((req.req_pool_idx, req.origin_input_ids, list(req.output_ids)))
+                resets.append((req.req_pool_idx, *req.penalty_history(list(req.output_ids))))
         return self._forward_batch(kv, torch.cat(positions), torch.cat(slots), self.extend_lens,
                                    resets, with_ids)
 
@@ -92,7 +92,7 @@ class ScheduleBatch:
         for req in self.reqs:
             if req.needs_penalty_reset:  # prebuilt (decode role): this step's input is its 1st token
                 assert req.req_pool_idx is not None
-                resets.append((req.req_pool_idx, req.origin_input_ids, req.output_ids[:-1]))
+                resets.append((req.req_pool_idx, *req.penalty_history(req.output_ids[:-1])))
                 req.needs_penalty_reset = False
         return self._forward_batch(kv, positions, slots, [1] * len(self.reqs), resets, with_ids)
 

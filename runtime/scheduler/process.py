@@ -231,6 +231,7 @@ class SchedulerLoop:
                 bootstrap_room=msg.bootstrap_room,
                 bootstrap_ticket=msg.bootstrap_ticket,
                 movable=msg.allow_kv_move,
+                resumed_outputs=msg.resumed_outputs,
             )
             self.role.add(req)
         except InvalidRequest as e:

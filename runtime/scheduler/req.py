@@ -48,6 +48,9 @@ class Req:
     # a running request to move it: its next token is the hand-over's (`split_off`).
     hand_off: bool = False
     movable: bool = False  # decode role: its client (the router) can follow it to another decode
+    # a resumed stream (runtime/server/resume.py): how many of the prompt's last tokens are
+    # outputs it generated before it moved, which penalties count as outputs
+    resumed_outputs: int = 0
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     seed: int = field(default_factory=lambda: random.getrandbits(63))
@@ -102,7 +105,8 @@ class Req:
         client has or is due, and ends with the `move` that says where it went."""
         moved = Req(rid, self.fill_ids[:-1], self.sampling_params, self.stream,
                     self.return_logprob, self.top_logprobs_num, bootstrap_room=room,
-                    hand_off=True, seed=self.seed)
+                    hand_off=True, seed=self.seed,
+                    resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1)
         token = self.output_ids.pop()
         logprob = self.output_logprobs.pop() if self.return_logprob and self.output_logprobs else None
         top = self.output_top_logprobs.pop() if logprob is not None and self.top_logprobs_num \
@@ -116,6 +120,12 @@ class Req:
         self.kv_len = self.computed_len = 0
         self.finished_reason = FinishReason("abort", message=KV_MOVED, move=move)
         return moved
+
+    def penalty_history(self, outputs: list[int]) -> tuple[list[int], list[int]]:
+        """(prompt, outputs) as penalties see them, `outputs` being the output tokens counted
+        so far: a resumed stream's outputs from before it moved are outputs too."""
+        cut = len(self.origin_input_ids) - self.resumed_outputs
+        return self.origin_input_ids[:cut], self.origin_input_ids[cut:] + outputs
 
     def check_finished(
         self,

@@ -6,8 +6,9 @@ text). The scheduler sees a longer prompt (the prompt and those tokens) and a bu
 smaller; the client sees the one request going on: prompt and completion token counts as
 before, completion tokens counting the resumed ones, and text that starts exactly where the
 client's stopped (the detokenizer is primed with the resumed tokens, its cursor at the
-characters already sent). Greedy continuations equal an undisturbed run's; a seeded one
-samples from the same per-position draws.
+characters already sent). Penalties count the resumed tokens as outputs. Greedy continuations,
+penalized or not, equal an undisturbed run's; a seeded one samples from the same per-position
+draws.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def resumed(req: GenerateRequest, resume: Resume | None) -> GenerateRequest:
     if params.get("min_new_tokens"):
         params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - done)
     return dataclasses.replace(req, input_ids=[*req.input_ids, *resume.output_ids],
-                               sampling_params=params)
+                               sampling_params=params, resumed_outputs=done)
 
 
 def check_one_choice(resume: Resume | None, choices: int) -> None:

@@ -95,3 +95,20 @@ def test_token_ids_only_when_asked(server: ServerProcess, client: httpx.Client) 
     plain = {k: v for k, v in BODIES["/v1/completions"].items() if k != "return_token_ids"}
     events = stream(client, "/v1/completions", plain)
     assert all("token_ids" not in c for e in events for c in e.get("choices", []))
+
+
+PENALIZED = {"text": "Say it again and again: yes, yes, yes, yes,", "sampling_params": {
+    "temperature": 0, "max_new_tokens": MAX, "frequency_penalty": 2.0, "presence_penalty": 2.0}}
+
+
+def test_a_resumed_stream_keeps_its_penalties(client: httpx.Client) -> None:
+    """Penalties count the resumed tokens as outputs: strong frequency and presence
+    penalties make the continuation depend on them (the repetition penalty, which counts the
+    prompt too, would not tell)."""
+    whole = [t for p, _ in pieces("/generate", stream(client, "/generate", PENALIZED)) for t in p]
+    plain = [t for p, _ in pieces("/generate", stream(client, "/generate", BODIES["/generate"]))
+             for t in p]
+    assert whole != plain  # the penalties change the output
+    for cut in (2, 7):
+        rest = stream(client, "/generate", {**PENALIZED, "resume": {"output_ids": whole[:cut]}})
+        assert whole[:cut] + [t for p, _ in pieces("/generate", rest) for t in p] == whole, cut
