@@ -128,8 +128,9 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
             if role == "prefill":
                 child.extra["bootstrap_port"] = free_port(args.host)
                 child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
-            else:
-                child.cmd += ["--kv-port", str(free_port(args.host))]
+            else:  # a decode that drains hands its streams' KV to another (runtime/disagg/move.py)
+                child.cmd += ["--kv-port", str(free_port(args.host)), "--move-kv-on-drain",
+                              "--bootstrap-port", str(free_port(args.host))]
             children.append(child)
     router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
               "--tokenizer", args.model]

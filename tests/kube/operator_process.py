@@ -31,11 +31,11 @@ def healthy(url: str) -> bool:
 
 
 @contextmanager
-def running_operator(flags: list[str], log: Path,
-                     env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """`baton operator FLAGS --liveness=<a free port>`; on exit: SIGTERM, exit code 0 and
-    no traceback in its log, or AssertionError with the log."""
-    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+def running_operator(flags: list[str], log: Path, env: Mapping[str, str] | None = None,
+                     liveness_port: int | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`baton operator FLAGS --liveness=<liveness_port or a free port>`; on exit: SIGTERM,
+    exit code 0 and no traceback in its log, or AssertionError with the log."""
+    liveness = f"http://127.0.0.1:{liveness_port or free_port()}/healthz"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", "operator", *flags, f"--liveness={liveness}"],

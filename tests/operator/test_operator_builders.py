@@ -64,7 +64,7 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
         "--bootstrap-port 8998 --kv-transfer nixl --served-model-name smollm2-135m")
     assert command(build_deployment(svc, "decode")) == cli(
         "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
-        "--kv-port 8999 --kv-transfer nixl --served-model-name smollm2-135m")
+        "--kv-port 8999 --move-kv-on-drain --bootstrap-port 8998 --kv-transfer nixl --served-model-name smollm2-135m")
     assert command(build_deployment(svc, "router")) == cli(
         "baton router --host 0.0.0.0 --port 8000 --discovery kubernetes --namespace ml "
         "--prefill-selector app.kubernetes.io/name=baton,app.kubernetes.io/instance=llm,"
@@ -85,11 +85,13 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
 def test_every_kv_plane_port_is_declared_and_the_cluster_key_mounted(backend: str) -> None:
     """The KV plane's ports are named in the pod spec (the NetworkPolicy issue fences them):
-    bootstrap on prefill, the KV receiver on decode, UCX's listeners confined to a range with
+    bootstrap on prefill and decode (where a draining decode offers KV), the KV receiver on
+    decode, UCX's listeners confined to a range with
     nixl; every pod of the service reads the one cluster-key Secret, read-only."""
     svc = service(kvTransfer={"backend": backend})
     for role, ports in (("prefill", {"http": 8000, "bootstrap": 8998}),
-                        ("decode", {"http": 8000, "kv": 8999}), ("router", {"http": 8000})):
+                        ("decode", {"http": 8000, "bootstrap": 8998, "kv": 8999}),
+                        ("router", {"http": 8000})):
         pod = build_deployment(svc, role)["spec"]["template"]["spec"]
         main = main_container(build_deployment(svc, role))
         assert {p["name"]: p["containerPort"] for p in main["ports"]} == ports
@@ -193,7 +195,7 @@ def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
                   router={"policy": "least_load", "args": ["--log-level", "debug"]})
     assert command(build_deployment(svc, "decode")) == cli(
         "baton serve --model builtin:smollm2-135m --role decode --host 0.0.0.0 --port 8000 "
-        "--kv-port 8999 --kv-transfer tcp --served-model-name smol --max-running-requests 8")
+        "--kv-port 8999 --move-kv-on-drain --bootstrap-port 8998 --kv-transfer tcp --served-model-name smol --max-running-requests 8")
     assert command(build_deployment(svc, "router"))[-8:] == [
         "--policy", "least_load", "--fallback", "fail", "--tokenizer", "builtin:smollm2-135m",
         "--log-level", "debug"]
@@ -219,7 +221,7 @@ def test_every_model_source_renders_the_cli_contract_exactly(uri: str, model: st
         f"--bootstrap-port 8998 --kv-transfer tcp --served-model-name {served}")
     assert command(build_deployment(svc, "decode")) == cli(
         f"baton serve --model {model} --role decode --host 0.0.0.0 --port 8000 "
-        f"--kv-port 8999 --kv-transfer tcp --served-model-name {served}")
+        f"--kv-port 8999 --move-kv-on-drain --bootstrap-port 8998 --kv-transfer tcp --served-model-name {served}")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -295,7 +297,8 @@ def test_named_ports_and_probes() -> None:
     router = main_container(build_deployment(svc, "router"))
     assert [(p["name"], p["containerPort"]) for p in prefill["ports"]] == [
         ("http", 8000), ("bootstrap", 8998)]
-    assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [("http", 8000), ("kv", 8999)]
+    assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [
+        ("http", 8000), ("bootstrap", 8998), ("kv", 8999)]
     assert [(p["name"], p["containerPort"]) for p in router["ports"]] == [("http", 8000)]
     for container in (prefill, decode, router):
         assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}

@@ -12,7 +12,8 @@ import pytest
 
 from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
 from tests.kube.kmock_cluster import EmulatedCluster
-from tests.kube.operator_process import free_port, running_operator
+from tests.kube.operator_process import running_operator
+from tests.server.server_process import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,12 +29,12 @@ def phase(name: str, which: str) -> str:
 
 def test_reconciles_errors_and_phase_per_service(emulated: EmulatedCluster, cluster: Cluster,
                                                   tmp_path: Path) -> None:
-    port = free_port()
+    port, liveness = free_ports(2)  # at once: two picks one by one may give the same port
     url = f"http://127.0.0.1:{port}/metrics"
     with running_operator(["--standalone", f"--namespace={NAMESPACE}"], tmp_path / "log",
                           {"BATON_OPERATOR_METRICS_PORT": str(port),
                            "BATON_OPERATOR_CLUSTER_SCANNING": "false",
-                           "BATON_OPERATOR_RETRY_SECONDS": "1"}):
+                           "BATON_OPERATOR_RETRY_SECONDS": "1"}, liveness):
         def scrape() -> str:
             return httpx.get(url, timeout=5).text
 

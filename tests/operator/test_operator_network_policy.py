@@ -116,6 +116,8 @@ def promised(svc: InferenceService, pods: list[Pod], *, router_from: list[str] |
               for src in [f"{me}-router", *metrics_from]}
     edges |= {(f"{me}-decode", f"{me}-prefill", port) for port in [8998, *nixl]}
     edges |= {(f"{me}-prefill", f"{me}-decode", port) for port in [8999, *nixl]}
+    # a draining decode moves its streams' KV to another decode (of the same pool)
+    edges |= {(f"{me}-decode", f"{me}-decode", port) for port in [8998, 8999, *nixl]}
     return edges
 
 

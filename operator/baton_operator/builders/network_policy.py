@@ -6,8 +6,11 @@ NetworkPolicy; egress is left open: routers call the API server, workers pull mo
 - router:  its HTTP port from anywhere, or only from `routerFrom` (e.g. the ingress controller)
            and `metricsFrom`;
 - prefill: HTTP from this service's routers; bootstrap from this service's decodes;
-- decode:  HTTP from this service's routers; the KV port from this service's prefills;
-- nixl:    UCX's port range between this service's prefills and decodes, both ways;
+- decode:  HTTP from this service's routers; the KV port from this service's prefills; the
+           bootstrap and KV ports from this service's decodes (a draining decode moves its
+           streams' KV to another: runtime/disagg/move.py);
+- nixl:    UCX's port range between this service's prefills and decodes, both ways, and
+           between its decodes;
 - workers: HTTP (which serves /metrics) from `metricsFrom` as well.
 
 Peers are named by the pools' selector labels, which carry the service's name, so no pod of
@@ -57,10 +60,12 @@ def _rules(svc: InferenceService, role: Role) -> list[dict[str, Any]]:
         rules = [_rule(fence.router_from, http)]
     else:
         peer: Role = "decode" if role == "prefill" else "prefill"
-        kv_plane = [_port(BOOTSTRAP_PORT if role == "prefill" else KV_PORT)]
-        if svc.kv_backend == "nixl":
-            kv_plane.append(_port(*UCX_PORT_RANGE))
+        ucx = [_port(*UCX_PORT_RANGE)] if svc.kv_backend == "nixl" else []
+        kv_plane = [_port(BOOTSTRAP_PORT if role == "prefill" else KV_PORT), *ucx]
         rules = [_rule([_pods(svc, "router")], http), _rule([_pods(svc, peer)], kv_plane)]
+        if role == "decode":
+            moves = [_port(BOOTSTRAP_PORT), _port(KV_PORT), *ucx]
+            rules.append(_rule([_pods(svc, "decode")], moves))
     if fence.metrics_from:
         rules.append(_rule(fence.metrics_from, http))
     return rules

@@ -64,10 +64,9 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
     """`baton serve` for a worker pool, followed by the pool's extra args."""
     cmd = ["baton", "serve", "--model", svc.model.model_arg, "--role", role,
            "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
-    if role == "prefill":
-        cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
-    else:
-        cmd += ["--kv-port", str(KV_PORT)]
+    if role == "decode":  # a decode that drains offers its streams' KV on its bootstrap port
+        cmd += ["--kv-port", str(KV_PORT), "--move-kv-on-drain"]
+    cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
     cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
     if role == "decode" and svc.router.fallback == "colocated":
         cmd += ["--allow-local-prefill"]  # the router's fallback with no prefill to pair
@@ -104,10 +103,11 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`)."""
     pool = svc.pool(role)
     volumes, mounts, init = _model_source(svc, role)
-    # every port of the KV plane is declared: bootstrap (prefill), KV receiver (decode), and
-    # UCX's TCP listeners confined to a range (nixl)
-    ports = [_port("http", HTTP_PORT),
-             _port("bootstrap", BOOTSTRAP_PORT) if role == "prefill" else _port("kv", KV_PORT)]
+    # every port of the KV plane is declared: bootstrap (prefill; decode: where a draining
+    # decode offers KV), KV receiver (decode), and UCX's TCP listeners confined to a range (nixl)
+    ports = [_port("http", HTTP_PORT), _port("bootstrap", BOOTSTRAP_PORT)]
+    if role == "decode":
+        ports.append(_port("kv", KV_PORT))
     env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc, pool.gpu),
                                           *pool.env)
     container = _container(svc, role, serve_command(svc, role), ports, _resources(pool), env,
