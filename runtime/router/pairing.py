@@ -4,6 +4,7 @@ take it now, its room ticket signed for that pair; or, with no pair at all, the 
 Pairs are taken from the first of these that has one: those neither quarantined (`pairs.py`)
 nor avoided by a retry, those not quarantined, any that can exchange KV (a quarantine steers
 requests to a pair's other partners; it never refuses a request that only that pair can take).
+A pair past its quarantine gets the next request its prefill is picked for, as its probe.
 With no ready pair: `--fallback colocated` sends the request to a ready decode that prefills it
 itself (no prefill: `None`), else a 503 names the cause.
 """
@@ -52,6 +53,9 @@ class Pairing:
                                  if any(rule(p, d) for p in prefill for d in decode)), same_kv)
         ids = prompt_ids(req.parsed, self.tokenizer.get()) if self.policy.wants_ids else None
         p, d = self.policy.pick(prefill, decode, ids, allowed)
+        # a pair of p's due for its probe gets this request: else a policy that keeps pairing
+        # p with another decode would never find out that the pair works again
+        d = next((x for x in decode if allowed(p, x) and self.pairs.probe_due(p, x)), d)
         log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
         return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
 

@@ -68,13 +68,17 @@ class PairTable:
         state = health.state(self.clock())
         return state is PairState.HEALTHY or (state is PairState.PROBING and not health.probing)
 
+    def probe_due(self, prefill: Worker, decode: Worker) -> bool:
+        """Is this pair past its quarantine, waiting for its one probe?"""
+        health = self.pairs.get((prefill.url, decode.url))
+        return (health is not None and not health.probing
+                and health.state(self.clock()) is PairState.PROBING)
+
     def sent(self, prefill: Worker, decode: Worker) -> bool:
         """A request goes to this pair: if the pair is on probation, it is the probe (True),
         and its sender owes the pair a verdict: `succeeded`, `failed` or `released`."""
-        health = self.pairs.get((prefill.url, decode.url))
-        if (health is not None and not health.probing
-                and health.state(self.clock()) is PairState.PROBING):
-            health.probing = True
+        if self.probe_due(prefill, decode):
+            self.pairs[prefill.url, decode.url].probing = True
             return True
         return False
 

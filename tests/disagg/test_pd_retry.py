@@ -45,8 +45,10 @@ class Deployment:
 
 def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
            prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-           router_args: tuple[str, ...] = (), move_kv: bool = False) -> Deployment:
-    """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, a bootstrap port each)."""
+           router_args: tuple[str, ...] = (), move_kv: bool = False,
+           prefill_env: list[dict[str, str]] | None = None) -> Deployment:
+    """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, a bootstrap port each);
+    `prefill_env`: each prefill's own environment variables."""
     env = {ENV: secrets.token_hex(32)}
     # every port at once, the decodes' KV (and bootstrap) ports too: ports picked one by one
     # (or a KV receiver on port 0 binding first) may take a port another server is about to bind
@@ -57,7 +59,8 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
              for port in picked[2 * prefills + 2 * decodes:]] if move_kv else [()] * decodes
     ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", "tcp",
                         *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
-                        model=str(model), env=env, port=http[i]) for i, port in enumerate(ports)]
+                        model=str(model), env={**env, **(prefill_env or [{}] * prefills)[i]},
+                        port=http[i]) for i, port in enumerate(ports)]
     ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", str(kv[i]),
                         *moves[i], *FAST, *decode_args, log_path=log_dir / f"decode{i}.log",
                         model=str(model), env=env, port=http[prefills + i])
@@ -210,10 +213,10 @@ def test_with_every_prefill_gone_a_local_decode_answers(sharp_tiny_path: Path, t
 
 
 def test_a_draining_decode_hands_its_streams_on(sharp_tiny_path: Path, tmp_path: Path) -> None:
-    """SIGTERM of a decode streaming 3+ of 8 streams (grace 1 s): what the grace period leaves
-    ends as an error its router moves to the other decode, so every stream completes,
-    token-exact, and the decode exits cleanly. (Moving the KV itself, without the prefill
-    recomputing, is not built: docs/router.md "Migration".)"""
+    """SIGTERM of a decode (without --move-kv-on-drain: tests/disagg/test_pd_move.py has it)
+    streaming 3+ of 8 streams (grace 0.1 s): what the grace period leaves ends as an error its
+    router moves to the other decode, so every stream completes, token-exact, and the decode
+    exits cleanly."""
     dep = deploy(sharp_tiny_path, tmp_path, 1, 2,
                  decode_args=(*ROOMY, "--shutdown-grace-s", "0.1"))
     try:
