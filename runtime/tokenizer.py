@@ -102,6 +102,29 @@ def _compile(template: str) -> Callable[..., str]:
     return env.from_string(template).render
 
 
+# what a tokenizer is read from: a router without the model gets these from a worker
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+def tokenizer_files(path: os.PathLike[str] | str) -> dict[str, str]:
+    """The model folder's tokenizer files (those it has), as text (a worker's GET /tokenizer)."""
+    folder = Path(path)
+    return {name: (folder / name).read_text() for name in TOKENIZER_FILES
+            if (folder / name).is_file()}
+
+
+def tokenizer_from_files(files: dict[str, str]) -> Any:
+    """The tokenizer `tokenizer_files` describes (only those file names are written)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="baton-tokenizer-") as folder:
+        for name in TOKENIZER_FILES:
+            if isinstance(files.get(name), str):
+                (Path(folder) / name).write_text(files[name])
+        return load_tokenizer(folder)
+
+
 def load_tokenizer(path: os.PathLike[str] | str) -> Any:
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"

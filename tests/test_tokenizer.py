@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from runtime.tokenizer import Tokenizer, load_tokenizer
+from runtime.tokenizer import (
+    Tokenizer,
+    chat_prompt_ids,
+    load_tokenizer,
+    tokenizer_files,
+    tokenizer_from_files,
+)
 
 TEXTS = [
     "The capital of France is", "", " ", "  leading and trailing  ", "line\nbreaks\n\n\ttabs",
@@ -81,3 +87,16 @@ def test_a_folder_without_tokenizer_json_falls_back_to_transformers(
     (tmp_path / "tokenizer.json").write_bytes((model_path / "tokenizer.json").read_bytes())
     tok = load_tokenizer(tmp_path)
     assert not isinstance(tok, Tokenizer)  # a post-processor rewrite: transformers knows how
+
+
+def test_a_tokenizer_travels_as_its_files(ours: Any, model_path: Path) -> None:
+    """What a worker's GET /tokenizer serves rebuilds the same tokenizer in a router that has
+    not got the model (`--tokenizer workers`): same ids for every text and chat."""
+    files = tokenizer_files(model_path)
+    assert "tokenizer.json" in files and set(files) <= {
+        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"}
+    copy = tokenizer_from_files({**files, "model.safetensors": "never written"})
+    for text in TEXTS:
+        assert copy.encode(text) == ours.encode(text), text
+    for chat in CHATS:
+        assert chat_prompt_ids(copy, chat) == chat_prompt_ids(ours, chat)

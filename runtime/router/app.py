@@ -85,6 +85,8 @@ class Router:
                                                    self._membership_changed)),
                  asyncio.create_task(self.health.run()),
                  asyncio.create_task(self.discovery.watch())]
+        if self.tokenizer.from_workers:
+            tasks.append(asyncio.create_task(self.tokenizer.learn(self.client, self.workers)))
         try:
             yield
         finally:

@@ -110,8 +110,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
                    f"prompt tokens to compute (default: {DEFAULT.cache_load_tokens})")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="cache_aware: the model's folder or builtin:NAME, to tokenize text "
-                   "prompts and chats as the workers do (without it, only input_ids and "
-                   "token-id prompts are matched; the rest go by least_load)")
+                   "prompts and chats as the workers do; `workers`: the tokenizer files a "
+                   "ready worker serves (GET /tokenizer), for a model only the workers have "
+                   "(without either, only input_ids and token-id prompts are matched; the rest "
+                   "go by least_load)")
     p.add_argument("--cluster-key-file", default=None, metavar="PATH",
                    help="the deployment's shared cluster key (else $BATON_CLUSTER_KEY): each "
                    "request's rooms go to its workers with a signed room ticket")

@@ -78,6 +78,7 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
     log.info("starting the scheduler process (model %s)", model_path)
     proc = _spawn_scheduler(args, tm)  # loads the model while this process loads the tokenizer
     tm.tokenizer = load_tokenizer(model_path)
+    tm.model_path = str(model_path)
     config = uvicorn.Config(
         app="runtime.server.main:_unused",  # replaced below; uvicorn needs an app reference
         host=args.host,

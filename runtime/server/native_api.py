@@ -33,6 +33,7 @@ from runtime.server.generation import (
 from runtime.server.json_route import JsonRoute
 from runtime.server.resume import resumed
 from runtime.server.tokenizer_manager import TokenizerManager
+from runtime.tokenizer import tokenizer_files
 
 router = APIRouter(route_class=JsonRoute)
 KV_EVENTS_KEEPALIVE_S = 15.0
@@ -87,6 +88,18 @@ async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> Asyn
     except Exception as e:
         yield sse.event(stream_error(e))
     yield sse.DONE
+
+
+@router.get("/tokenizer")
+async def tokenizer(request: Request) -> Response:
+    """The model's tokenizer files, as text: a router that has not got the model tokenizes
+    prompts with them exactly as this worker does (`baton router --tokenizer workers`)."""
+    tm: TokenizerManager = request.app.state.tm
+    if tm.model_path is None:
+        return JSONResponse(error_body("the model is not loaded yet", "service_unavailable",
+                                       "not_ready"), 503)
+    files = await asyncio.to_thread(tokenizer_files, tm.model_path)
+    return JSONResponse({"model": tm.args.model_name, "files": files})
 
 
 @router.post("/flush_cache")

@@ -79,6 +79,7 @@ class TokenizerManager:
         self.args = args
         self.tickets = tickets or TicketGate(ClusterKey.none(), args.role)
         self.tokenizer = tokenizer
+        self.model_path: str | None = None  # the model's folder, once resolved
         self.metrics = metrics
         self.to_scheduler = f"ipc://{ipc_dir}/to_scheduler"
         self.from_scheduler = f"ipc://{ipc_dir}/from_scheduler"

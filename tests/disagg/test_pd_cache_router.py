@@ -1,8 +1,9 @@
 """The cache-aware router on real workers: 2 prefills whose pools hold about three system
 prompts each, 1 decode, a router following the prefills' KV events. 4 distinct ~1,000-token
 system prompts x 16 questions, shuffled, one at a time: cache_aware reaches >= 90% of the ideal
-cached tokens (every repeat hits); round_robin spreads each prompt over both prefills and their
-caches thrash. The router's index equals the workers' caches after the run, and again after a
+cached tokens (every repeat hits), reading the chats with the tokenizer files a worker serves
+(`--tokenizer workers`); round_robin spreads each prompt over both prefills and their caches
+thrash. The router's index equals the workers' caches after the run, and again after a
 prefill is killed and restarted (its stale blocks dropped, its new ones learnt)."""
 
 from __future__ import annotations
@@ -54,13 +55,18 @@ def fleet_stop(pair: Pair, second: ServerProcess) -> None:
         second.stop()
 
 
-def router_for(fleet: dict[str, Any], policy: str) -> RouterProcess:
+def router_for(fleet: dict[str, Any], policy: str, tokenizer: str | None = None) -> RouterProcess:
+    """`tokenizer`: the router's --tokenizer (default: the model's folder)."""
     pair: Pair = fleet["pair"]
-    return start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
-                        "--prefill", f"{fleet['second'].url},{fleet['bport']}",
-                        "--decode", pair.decode.url, "--policy", policy,
-                        "--tokenizer", str(fleet["model"]),
-                        log_path=fleet["tmp"] / f"router-{policy}.log", env=pair.env)
+    log = fleet["tmp"] / f"router-{policy}.log"
+    router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                          "--prefill", f"{fleet['second'].url},{fleet['bport']}",
+                          "--decode", pair.decode.url, "--policy", policy,
+                          "--tokenizer", tokenizer or str(fleet["model"]), log_path=log,
+                          env=pair.env)
+    if tokenizer == "workers":  # it asks the workers for the tokenizer files once they serve
+        wait_for(lambda: "tokenizer from worker" in log.read_text(), 20)
+    return router
 
 
 def workload() -> list[list[dict[str, str]]]:
@@ -128,7 +134,10 @@ def test_cache_aware_routes_to_the_cache_and_round_robin_thrashes(fleet: dict[st
     results = {}
     for policy in ("round_robin", "cache_aware"):
         flush(*prefills)
-        router = router_for(fleet, policy)
+        # cache_aware reads the chats with the tokenizer a worker serves (as in a cluster,
+        # where the router has not got an hf:// or pvc:// model): without it, it could not
+        # match text prompts at all
+        router = router_for(fleet, policy, "workers" if policy == "cache_aware" else None)
         try:
             results[policy] = run(router, convs)
             if policy == "cache_aware":

@@ -78,8 +78,8 @@ def test_default_service_renders_the_cli_contract_exactly() -> None:
         "--prefill-dns llm-prefill.ml.svc.cluster.local:8000:8998 "
         "--decode-dns llm-decode.ml.svc.cluster.local:8000 --policy cache_aware "
         "--fallback fail --tokenizer builtin:smollm2-135m")
-    hf = service(model={"uri": "hf://org/name"})  # not in the router's image: no tokenizer
-    assert "--tokenizer" not in command(build_deployment(hf, "router"))
+    hf = service(model={"uri": "hf://org/name"})  # not in the router's image: the workers'
+    assert command(build_deployment(hf, "router"))[-2:] == ["--tokenizer", "workers"]
 
 
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])

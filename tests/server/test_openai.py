@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -146,3 +148,13 @@ def test_token_id_prompt(oai: openai.OpenAI, tokenizer: Any, engine_texts: dict[
     ids = tokenizer.encode(PROMPTS[1])
     r = oai.completions.create(model="smollm2", prompt=ids, max_tokens=MAX, temperature=0)
     assert r.choices[0].text == engine_texts[PROMPTS[1]]
+
+
+def test_the_tokenizer_files_are_served(client: httpx.Client, model_path: Path) -> None:
+    """GET /tokenizer: what a router without the model tokenizes with, exactly the files the
+    worker loaded."""
+    r = client.get("/tokenizer")
+    assert r.status_code == 200
+    files = r.json()["files"]
+    assert files["tokenizer.json"] == (model_path / "tokenizer.json").read_text()
+    assert r.json()["model"] == client.get("/v1/models").json()["data"][0]["id"]

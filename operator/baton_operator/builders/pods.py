@@ -88,8 +88,9 @@ def router_command(svc: InferenceService) -> list[str]:
         workers = ["--prefill-dns", f"{service_host(svc, 'prefill')}:{HTTP_PORT}:{BOOTSTRAP_PORT}",
                    "--decode-dns", f"{service_host(svc, 'decode')}:{HTTP_PORT}"]
     auth = [] if svc.router.api_key_secret is None else ["--api-key-file", API_KEYS_FILE]
-    # the image carries the builtin models: the router reads prompts with the same tokenizer
-    tokenizer = ["--tokenizer", svc.model.model_arg] if svc.model.kind == "builtin" else []
+    # the image carries the builtin models: the router reads prompts with the same tokenizer;
+    # another model only the workers have: the router asks them for its tokenizer files
+    tokenizer = ["--tokenizer", svc.model.model_arg if svc.model.kind == "builtin" else "workers"]
     return ["baton", "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), *workers,
             "--policy", svc.router.policy, "--fallback", svc.router.fallback, *tokenizer, *auth,
             *svc.router.args]
