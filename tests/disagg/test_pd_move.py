@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.disagg.test_pd_failures import eventually, kv_free, metric
 from tests.disagg.test_pd_retry import LONG, ROOMY, STREAMED, all_streaming, ask, deploy, prompt
@@ -63,10 +64,13 @@ def requests_done(url: str) -> float:
                if line.startswith("baton_requests_total{"))
 
 
-def test_a_draining_decode_moves_its_streams_with_their_kv(sharp_tiny_path: Path,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_a_draining_decode_moves_its_streams_with_their_kv(sharp_tiny_path: Path, tmp_path: Path,
+                                                           backend: str) -> None:
+    if backend == "nixl":
+        pytest.importorskip("nixl")  # a decode's own nixl agent writes into the other's pool
     dep = deploy(sharp_tiny_path, tmp_path, 1, 2, prefill_args=(*NAMED, *CANARY),
-                 decode_args=(*ROOMY, *NAMED, *CANARY), move_kv=True)
+                 decode_args=(*ROOMY, *NAMED, *CANARY), move_kv=True, backend=backend)
     try:
         undisturbed = asyncio.run(streams(dep.router.url))
         victim, prefill, router = dep.decodes[0], dep.prefills[0], dep.router.url

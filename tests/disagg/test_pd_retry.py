@@ -46,7 +46,7 @@ class Deployment:
 def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
            prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
            router_args: tuple[str, ...] = (), move_kv: bool = False,
-           prefill_env: list[dict[str, str]] | None = None) -> Deployment:
+           prefill_env: list[dict[str, str]] | None = None, backend: str = "tcp") -> Deployment:
     """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, a bootstrap port each);
     `prefill_env`: each prefill's own environment variables."""
     env = {ENV: secrets.token_hex(32)}
@@ -57,11 +57,11 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
     kv = picked[2 * prefills + decodes:2 * prefills + 2 * decodes]
     moves = [("--move-kv-on-drain", "--bootstrap-port", str(port))
              for port in picked[2 * prefills + 2 * decodes:]] if move_kv else [()] * decodes
-    ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", "tcp",
+    ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", backend,
                         *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
                         model=str(model), env={**env, **(prefill_env or [{}] * prefills)[i]},
                         port=http[i]) for i, port in enumerate(ports)]
-    ds = [ServerProcess("--role", "decode", "--kv-transfer", "tcp", "--kv-port", str(kv[i]),
+    ds = [ServerProcess("--role", "decode", "--kv-transfer", backend, "--kv-port", str(kv[i]),
                         *moves[i], *FAST, *decode_args, log_path=log_dir / f"decode{i}.log",
                         model=str(model), env=env, port=http[prefills + i])
           for i in range(decodes)]
