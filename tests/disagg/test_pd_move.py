@@ -9,7 +9,6 @@ the draining decode exits 0 and the survivors' KV is free."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,16 @@ import httpx
 import pytest
 
 from tests.disagg.test_pd_failures import eventually, kv_free, metric
-from tests.disagg.test_pd_retry import LONG, ROOMY, STREAMED, all_streaming, ask, deploy, prompt
+from tests.disagg.test_pd_retry import (
+    LONG,
+    ROOMY,
+    STREAMED,
+    all_streaming,
+    ask,
+    deploy,
+    events,
+    prompt,
+)
 
 
 async def chat(http: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
@@ -27,17 +35,12 @@ async def chat(http: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
             "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream_interval": 5,
             "stream_options": {"include_usage": True}}
     STREAMED[i], text, finishes, usage = 0, "", [], []
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                for c in event["choices"]:
-                    text += c["delta"].get("content") or ""
-                    finishes += [c["finish_reason"]] if c["finish_reason"] else []
-                    STREAMED[i] += 5
-                usage += [event["usage"]] if event.get("usage") else []
+    async for event in events(http, f"{url}/v1/chat/completions", body):
+        for c in event["choices"]:
+            text += c["delta"].get("content") or ""
+            finishes += [c["finish_reason"]] if c["finish_reason"] else []
+            STREAMED[i] += 5
+        usage += [event["usage"]] if event.get("usage") else []
     # cached tokens: the prefill's cache, which the second run hits; not part of the comparison
     cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in usage]
     return {"text": text, "finishes": finishes, "usage": usage, "cached": cached}

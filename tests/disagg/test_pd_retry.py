@@ -11,7 +11,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,15 +114,22 @@ async def ask(http: httpx.AsyncClient, url: str, i: int, stream: bool | None = N
         return list(r.json()["output_ids"])
     STREAMED[i] = 0
     ids: list[int] = []
-    async with http.stream("POST", f"{url}/generate", json=body) as r:
+    async for event in events(http, f"{url}/generate", body):
+        ids += event["output_ids"]
+        STREAMED[i] = len(ids)
+    return ids
+
+
+async def events(http: httpx.AsyncClient, url: str, body: dict[str, Any],
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a 200 stream; an error event fails the test."""
+    async with http.stream("POST", url, json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 assert "error" not in event, event
-                ids += event["output_ids"]
-                STREAMED[i] = len(ids)
-    return ids
+                yield event
 
 
 async def ask_all(url: str, n: int, during: Any = None, **kw: Any) -> list[list[int]]:
