@@ -116,7 +116,8 @@ class DecodeRole(Generic[R]):
             self._prefill_gone(addr, touched)
         for r in list(self.rooms.values()):
             self._advance(r, touched)
-        self.stats.rooms = count_states(r.room for r in self.rooms.values())
+        moving = self.mover.rooms() if self.mover is not None else []
+        self.stats.rooms = count_states([*(r.room for r in self.rooms.values()), *moving])
         self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
                                            if r.room.state is RoomState.FAILED)
         self.stats.count_kv_plane(self.tally.take())

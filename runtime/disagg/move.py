@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol
 
 from runtime.disagg.interfaces import R
 from runtime.disagg.prefill import PrefillRole
+from runtime.disagg.rooms import Room
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class Mover(Generic[R]):
         assert bootstrap is not None
         return {"bootstrap_host": self.host, "bootstrap_port": bootstrap.port,
                 "bootstrap_room": room, "instance_id": self.sender.instance_id}
+
+    def rooms(self) -> list[Room]:
+        """The rooms of moved requests (in the decode's room counts)."""
+        with self.sender.lock:
+            return [r.room for r in self.sender.rooms.values()]
 
     def has_work(self) -> bool:
         return self.sender.has_work()
