@@ -179,6 +179,8 @@ class SchedulerStats:
     prefix_cache: PrefixCacheStats | None = None  # None: the cache is off
     queued_prompt_tokens: int = 0  # prompt tokens of the requests waiting in the scheduler
     canary: CanaryStats | None = None  # None: the KV canary is off
+    # since start: running requests retracted to free KV (re-prefilled later from their tokens)
+    retractions: int = field(default=0, compare=False)
 
 
 @dataclass

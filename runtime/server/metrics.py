@@ -137,6 +137,9 @@ class Metrics:
         self.kv_used = Gauge("baton_kv_used_tokens", "KV slots in use (page granular)", registry=r)
         self.kv_total = Gauge("baton_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.kv_usage = Gauge("baton_kv_usage_ratio", "Fraction of KV pages in use", registry=r)
+        self.retractions = Counter("baton_retractions", "Running requests retracted to free KV "
+                                   "(re-prefilled later from their tokens)", registry=r)
+        self.last_retractions = 0
         self.disagg = DisaggMetrics(r)
         self.cache = PrefixCacheMetrics(r)
         self.canary = CanaryMetrics(r)
@@ -170,6 +173,8 @@ class Metrics:
         self.kv_used.set(stats.kv_used_pages * stats.page_size)
         self.kv_total.set(stats.kv_total_pages * stats.page_size)
         self.kv_usage.set(stats.kv_used_pages / max(stats.kv_total_pages, 1))
+        self.retractions.inc(max(0, stats.retractions - self.last_retractions))
+        self.last_retractions = stats.retractions
         if stats.disagg is not None:
             self.disagg.update(stats.disagg)
         if stats.prefix_cache is not None:

@@ -125,7 +125,7 @@ def stream_ids(events: list[dict[str, Any]]) -> list[int]:
     return [t for e in events for t in e.get("output_ids", [])]
 
 
-def tiny_model(model_path: Path, dest: Path, init_range: float = 0.02) -> Path:
+def tiny_model(model_path: Path, dest: Path, init_range: float = 0.02, layers: int = 2) -> Path:
     """A 2-layer random Llama with the real tokenizer: loads in a second; failure tests use it.
     A larger `init_range` makes its greedy tokens depend strongly on attention, so KV that is
     not a request's own shows in its output."""
@@ -133,7 +133,7 @@ def tiny_model(model_path: Path, dest: Path, init_range: float = 0.02) -> Path:
     import transformers
 
     cfg = json.loads((model_path / "config.json").read_text())
-    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    cfg.update(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, initializer_range=init_range)
     cfg.pop("rope_parameters", None)
     config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})

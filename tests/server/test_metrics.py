@@ -11,6 +11,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from runtime.messages import SchedulerStats
 from runtime.server.metrics import Metrics
 from runtime.server.middleware import ErrorGuard
 from tests.router.server_thread import ServerThread
@@ -88,3 +89,10 @@ def test_an_unhandled_error_is_a_counted_json_500_on_a_connection_that_survives(
     finally:
         server.stop()
     assert metric(metrics.render().decode(), "baton_http_errors_total", '{status="500"}') == 2
+
+
+def test_retractions_are_counted_from_the_scheduler_total() -> None:
+    metrics = Metrics()
+    for total in (0, 3, 3, 5):
+        metrics.set_stats(SchedulerStats(retractions=total))
+    assert metric(metrics.render().decode(), "baton_retractions_total") == 5
