@@ -80,4 +80,7 @@ class Mover(Generic[R]):
         return self.sender.has_work()
 
     def close(self) -> None:
-        self.sender.close()
+        """Its writes end, then its bootstrap port closes (the transfer is the decode's)."""
+        self.sender.sender.close()
+        if self.sender.bootstrap is not None:
+            self.sender.bootstrap.close()
