@@ -215,7 +215,7 @@ class Exchange:
             except UpstreamFailure as f:
                 attempt.abort(f)
                 self._blame(attempt, f)
-                if not self._may_retry(f):
+                if not self._may_retry(f, attempt):
                     raise
                 await _until(self.proxy.spawn(self._backoff()), disconnect)
                 self.retries += 1
@@ -234,9 +234,12 @@ class Exchange:
             self.pairs.released(attempt.p, attempt.d)
             self.avoid_workers.add(attempt.p if failure.side == "prefill" else attempt.d)
 
-    def _may_retry(self, failure: UpstreamFailure) -> bool:
+    def _may_retry(self, failure: UpstreamFailure, attempt: Attempt) -> bool:
+        """Another try? Not after the client's own error (a 4xx), except when the try took
+        moved KV: whatever went wrong there, the tokens can still be replayed."""
         config = self.proxy.config
-        return (retryable(failure) and not self.cancelled and self.retries < config.max_retries
+        return ((retryable(failure) or attempt.req.kv_from is not None) and not self.cancelled
+                and self.retries < config.max_retries
                 and time.monotonic() - self.phase_started < config.request_timeout_s)
 
     async def _backoff(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from runtime.auth.key import ClusterKey
 from runtime.router.config import RouterConfig
@@ -66,8 +66,8 @@ class Pairing:
         signed for it; None when no decode can (the stream's tokens are replayed instead)."""
         host, port, room = (move.get(k) for k in ("bootstrap_host", "bootstrap_port",
                                                   "bootstrap_room"))
-        if not (isinstance(host, str) and host and isinstance(port, int)
-                and isinstance(room, int) and source.instance_id
+        if not (isinstance(host, str) and host and _whole(port, 1, 1 << 16)
+                and _whole(room, 0, 1 << 63) and source.instance_id
                 and move.get("instance_id") == source.instance_id):
             return None
         decodes = [d for d in self.workers.decode.ready()
@@ -75,7 +75,7 @@ class Pairing:
         if not decodes:
             return None
         decode = least_loaded(decodes)
-        moved = req.moved(host, port, room)
+        moved = req.moved(host, cast(int, port), cast(int, room))  # (checked above)
         return moved.signed(self.key, source, decode, self.config.ticket_ttl_s), decode
 
     def _fallback(self, avoided: set[Worker]) -> Worker:
@@ -100,3 +100,8 @@ class Pairing:
         if not any(d.local_prefill for d in self.workers.decode.ready()):
             return None
         return self.workers.unready_reason()
+
+
+def _whole(value: Any, low: int, end: int) -> bool:
+    """An int (not a bool) in [low, end)."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < end

@@ -16,8 +16,9 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `linger_s`: keep the stream open this long after `data: [DONE]`.
 A stream with `resume` starts at event len(resume.output_ids) (event i is token i, "toki ").
 A worker's own `steer` (set by the test) is applied over the body's, to make one worker of a
-role fail; a decode worker fails with 502 `kv_transfer_failed` every request whose prefill has
-a bootstrap port in `broken_links` (a P<->D link that does not work).
+role fail (with `only_port`, only its requests whose `bootstrap_port` is that one); a decode
+worker fails with 502 `kv_transfer_failed` every request whose prefill has a bootstrap port in
+`broken_links` (a P<->D link that does not work).
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ class FakeWorker:
         async def route(request: Request) -> Response:
             body = await request.json()
             self.received.append(Received(path, body))
-            steer = {**body.get("fake", {}).get(self.role, {}), **self.steer}
+            own = self.steer  # (one with `only_port` steers only requests from that port)
+            if "only_port" in own and body.get("bootstrap_port") != own["only_port"]:
+                own = {}
+            steer = {**body.get("fake", {}).get(self.role, {}), **own}
             if body.get("bootstrap_port") in self.broken_links:
                 steer = {"status": 502, "message": "KV transfer failed", "code": TRANSFER_FAILED}
             await asyncio.sleep(steer.get("delay_s", 0))

@@ -51,9 +51,15 @@ def test_a_moved_stream_goes_on_where_its_kv_went(workers: Any, router: Any, pat
     assert 'status="200"} 1.0' in r.metrics()
 
 
-def test_a_move_the_other_decode_cannot_fetch_is_replayed(workers: Any, router: Any) -> None:
+@pytest.mark.parametrize("refusal", ["fetch_fails", "a_400"])
+def test_a_move_the_other_decode_cannot_take_is_replayed(workers: Any, router: Any,
+                                                         refusal: str) -> None:
+    """Whatever the taker answers (its fetch failed; even a 4xx), the tokens are replayed."""
     r, p, ds = moving_deployment(workers, router)
-    ds[1].broken_links = {MOVE["bootstrap_port"]}  # its fetch from the draining decode fails
+    if refusal == "fetch_fails":
+        ds[1].broken_links = {MOVE["bootstrap_port"]}  # its fetch from the draining decode fails
+    else:
+        ds[1].steer = {"status": 400, "message": "refused", "only_port": MOVE["bootstrap_port"]}
     body = {**BODIES["/generate"], "stream": True, "fake": {"decode": {"chunks": 5}}}
     status, got = sse(r.client, "/generate", body)
     assert status == 200 and contents("/generate", got) == [f"tok{i} " for i in range(5)]
@@ -65,7 +71,7 @@ def test_a_move_the_other_decode_cannot_fetch_is_replayed(workers: Any, router: 
     assert metric(r, "baton_router_migrations_total") == 1
 
 
-@pytest.mark.parametrize("spoil", ["another_instance", "no_room"])
+@pytest.mark.parametrize("spoil", ["another_instance", "no_room", "bad_port"])
 def test_a_move_that_names_something_else_is_replayed(workers: Any, router: Any,
                                                       spoil: str) -> None:
     """The router takes KV only from the instance it streamed from, at a well-formed room."""
@@ -73,6 +79,8 @@ def test_a_move_that_names_something_else_is_replayed(workers: Any, router: Any,
     move: dict[str, Any] = dict(MOVE)
     if spoil == "no_room":
         del move["bootstrap_room"]
+    elif spoil == "bad_port":
+        move["bootstrap_port"] = 70000
     else:
         move["instance_id"] = "impostor"  # not the instance its /ready names
     ds[0].steer = {"move_after": 2, "move": move}
