@@ -77,10 +77,17 @@ class Child:
         return "\n".join(text[-lines:])
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct free ports, all held while they are picked (one pick at a time could give
+    the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,17 +127,19 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
     baton = [sys.executable, "-m", "runtime.cli"]
     common = ["--model", args.model, "--host", args.host, "--kv-transfer", args.kv_transfer, *extra]
     children = []
+    ports = iter(free_ports(args.host, 2 * (args.prefill + args.decode)))
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            port = free_port(args.host)
+            port = next(ports)
             cmd = [*baton, "serve", "--role", role, "--port", str(port), *common]
             child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log")
             if role == "prefill":
-                child.extra["bootstrap_port"] = free_port(args.host)
+                child.extra["bootstrap_port"] = next(ports)
                 child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
             else:  # a decode that drains hands its streams' KV to another (runtime/disagg/move.py)
-                child.cmd += ["--kv-port", str(free_port(args.host)), "--move-kv-on-drain",
-                              "--bootstrap-port", str(free_port(args.host))]
+                # on any free port: the decode names it to the router when it moves a stream
+                child.cmd += ["--kv-port", str(next(ports)), "--move-kv-on-drain",
+                              "--bootstrap-port", "0"]
             children.append(child)
     router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
               "--tokenizer", args.model]

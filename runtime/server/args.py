@@ -106,7 +106,7 @@ def _check(args: ServerArgs) -> list[str]:
         (args.engine, ("max_total_tokens", "page_size")),
         (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
                           "forced_stream_interval")),
-        (args.disagg, ("bootstrap_port", "heartbeat_misses")),
+        (args.disagg, ("heartbeat_misses",)),
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
     problems += _check_canary(args.canary)
@@ -124,6 +124,9 @@ def _check(args: ServerArgs) -> list[str]:
         problems.append("disagg timeouts and --heartbeat-interval-s must be > 0")
     if not 0 <= d.kv_port < 65536:
         problems.append("--kv-port must be in 0..65535 (0: any free port)")
+    if not (0 if args.role == "decode" else 1) <= d.bootstrap_port < 65536:
+        problems.append("--bootstrap-port must be in 1..65535 (a decode's may be 0: any free "
+                        "port, which it names when it moves a stream)")
     try:
         load_cluster_key(d.cluster_key_file)
         ApiKeys.load(args.api_key, args.api_key_file)

@@ -47,16 +47,14 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
            prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
            router_args: tuple[str, ...] = (), move_kv: bool = False,
            prefill_env: list[dict[str, str]] | None = None, backend: str = "tcp") -> Deployment:
-    """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, a bootstrap port each);
-    `prefill_env`: each prefill's own environment variables."""
+    """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, on any free bootstrap
+    port, as `baton up` starts them); `prefill_env`: each prefill's own environment variables."""
     env = {ENV: secrets.token_hex(32)}
-    # every port at once, the decodes' KV (and bootstrap) ports too: ports picked one by one
-    # (or a KV receiver on port 0 binding first) may take a port another server is about to bind
-    picked = free_ports(2 * prefills + (4 if move_kv else 2) * decodes)
-    ports, http = picked[:prefills], picked[prefills:2 * prefills + decodes]
-    kv = picked[2 * prefills + decodes:2 * prefills + 2 * decodes]
-    moves = [("--move-kv-on-drain", "--bootstrap-port", str(port))
-             for port in picked[2 * prefills + 2 * decodes:]] if move_kv else [()] * decodes
+    # every port at once, the decodes' KV ports too: ports picked one by one (or a KV receiver
+    # on port 0 binding first) may take a port another server is about to bind
+    picked = free_ports(2 * prefills + 2 * decodes)
+    ports, http, kv = picked[:prefills], picked[prefills:-decodes], picked[-decodes:]
+    moves = [("--move-kv-on-drain", "--bootstrap-port", "0") if move_kv else ()] * decodes
     ps = [ServerProcess("--role", "prefill", "--bootstrap-port", str(port), "--kv-transfer", backend,
                         *FAST, *prefill_args, log_path=log_dir / f"prefill{i}.log",
                         model=str(model), env={**env, **(prefill_env or [{}] * prefills)[i]},

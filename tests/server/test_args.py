@@ -44,11 +44,18 @@ def test_cli_contract_flags() -> None:
     ["--role", "router"], ["--port", "0"], ["--stream-interval", "0"],
     ["--device", "cuda", "--mem-fraction-static", "1.2"],
     ["--mem-fraction-static", "0.8"],  # the CPU pool is sized by --max-total-tokens
+    ["--role", "prefill", "--bootstrap-port", "0"],  # the router must know a prefill's
+    ["--role", "decode", "--bootstrap-port", "70000"],
 ])
 def test_bad_values_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse_server_args(argv)
     assert e.value.code == 2
+
+
+def test_a_decode_may_offer_moved_kv_on_any_free_port() -> None:
+    args = parse_server_args(["--role", "decode", "--move-kv-on-drain", "--bootstrap-port", "0"])
+    assert args.disagg.move_kv_on_drain and args.disagg.bootstrap_port == 0
 
 
 def test_mem_fraction_static_is_a_gpu_flag() -> None:
