@@ -43,8 +43,10 @@ def test_the_scaler_follows_what_the_cluster_serves(cluster: Cluster,
         # 3. KEDA served too: ScaledObjects, and the HPAs of a service made earlier go
         stand_in_apis.install(cluster.client, "keda")
         cluster.patch("adapted", {"spec": {"autoscaling": {"decode": {"max": 5}}}})
-        scaled = wait_for(lambda: stand_in_apis.get(cluster.custom, "keda", NAMESPACE,
-                                                    "adapted-decode"), 20, "a ScaledObject")
+        # (a pass that began before the patch may write the old max first: wait for the new)
+        scaled = wait_for(lambda: (so := stand_in_apis.get(
+            cluster.custom, "keda", NAMESPACE, "adapted-decode")) is not None
+            and so["spec"]["maxReplicaCount"] == 5 and so, 20, "a ScaledObject with max 5")
         assert scaled["spec"]["maxReplicaCount"] == 5
         trigger = scaled["spec"]["triggers"][0]
         assert trigger["type"] == "prometheus"
