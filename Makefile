@@ -31,12 +31,12 @@ lint: install
 
 # Debian's prometheus (with promtool) for tests/monitoring/test_prometheus.py: installed only
 # when missing and only as root with apt-get (CI's fresh machine); best effort, never fails the
-# build: without it those tests skip.
+# build: without it those tests skip. Each apt step has a time limit: a slow mirror skips them.
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && apt-get update -qq >/dev/null 2>&1 \
-	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
-	     >/dev/null 2>&1; } || echo "prometheus not installed: tests/monitoring/test_prometheus.py will skip"
+	  && timeout 120 apt-get update -qq >/dev/null 2>&1 \
+	  && DEBIAN_FRONTEND=noninteractive timeout 240 apt-get install -y -qq --no-install-recommends \
+	     prometheus >/dev/null 2>&1; } || echo "prometheus not installed: tests/monitoring/test_prometheus.py will skip"
 
 test: model lint prometheus
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -5,13 +5,15 @@ checked on arrival, before the decode runs anything of the request.
 Faults: the prefill corrupts pages just before sending them (kv_before_send) and the decode
 injects every runner kind; under `raise` each hit request fails with the canary's error,
 injected (both servers' /metrics) == caught (the answers), every other request returns its
-oracle sequence, and both pools come back empty. Clean: 500 requests with shared prefixes
-(the prefill's prefix cache shares and evicts pages), repeats and aborts raise nothing.
+oracle sequence, and both pools come back empty. Clean: 200 requests (500 with
+$BATON_CANARY_SOAK) with shared prefixes (the prefill's prefix cache shares and evicts pages),
+repeats and aborts raise nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 from collections.abc import Iterator
@@ -119,9 +121,15 @@ def clean(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     p.stop()
 
 
-def test_500_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(
+# The suite runs 200 of them (two waves of 100: eviction, repeats and aborts all happen by the
+# second wave); the 500 of #26 with BATON_CANARY_SOAK=1 (~2-3 minutes on two cores).
+CLEAN_REQUESTS = 500 if os.environ.get("BATON_CANARY_SOAK") else 200
+
+
+def test_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(
         clean: Pair) -> None:
-    prompts = [b["input_ids"] for b in bodies_for(clean, 250, seed=4, shared=13)] * 2  # repeats
+    distinct = bodies_for(clean, CLEAN_REQUESTS // 2, seed=4, shared=13)
+    prompts = [b["input_ids"] for b in distinct] * 2  # repeats
 
     async def wave(batch: list[dict[str, Any]]) -> list[tuple[httpx.Response, Any]]:
         async with httpx.AsyncClient(timeout=120, limits=UNLIMITED) as http:
@@ -140,7 +148,8 @@ def test_500_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothin
         bodies += batch
         results += asyncio.run(wave(batch))
     refused = [p.text for p, _ in results if p.status_code != 200]
-    assert len(refused) <= 5 * 4, refused[:5]  # the prefill side of aborted requests only
+    aborted = len(range(0, len(prompts), 25))  # batch[::25] of each wave of 100
+    assert len(refused) <= aborted, refused[:5]  # the prefill side of aborted requests only
     finished = 0
     for body, (_, decoded) in zip(bodies, results, strict=True):
         error = canary_error(decoded)
@@ -150,7 +159,7 @@ def test_500_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothin
             got = stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"]
             assert got == want
             finished += 1
-    assert finished >= len(bodies) - 5 * 4
+    assert finished >= len(bodies) - aborted
     wait_empty(clean)
     for srv in (clean.prefill, clean.decode):
         text = httpx.get(f"{srv.url}/metrics").text
