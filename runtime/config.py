@@ -119,7 +119,10 @@ class SchedulerConfig:
 
     max_running_requests: int = 256
     chunked_prefill_size: int = 2048
-    enable_overlap: bool = True
+    enable_overlap: bool | None = field(default=None, metadata=_help(
+        "run each forward on a thread of its own while the scheduler builds the next batch; "
+        "default: on with a GPU (the host works while the device computes), off on a CPU "
+        "(there the scheduler's work takes cores from the forward: docs/performance.md)"))
     # Fraction of each running request's remaining budget reserved when admitting new ones.
     new_token_ratio: float = 0.4
     stream_interval: int = field(default=1, metadata=_help("stream every N tokens"))
@@ -127,6 +130,10 @@ class SchedulerConfig:
     forced_stream_interval: int = field(
         default=64, metadata=_help("non-streaming requests still flush every N tokens")
     )
+
+    def overlaps(self, device_type: str) -> bool:
+        """Whether forwards run on their own thread on a device of this type ('cpu', 'cuda')."""
+        return self.enable_overlap if self.enable_overlap is not None else device_type != "cpu"
 
 
 @dataclass(frozen=True)

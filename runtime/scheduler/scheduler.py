@@ -59,7 +59,8 @@ class Scheduler:
         self.prefill_budget = config.chunked_prefill_size  # tokens per prefill step
         self.future_map = FutureMap(config.max_running_requests, runner.device)
         self.worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="forward") if config.enable_overlap else None
+            ThreadPoolExecutor(1, thread_name_prefix="forward")
+            if config.overlaps(torch.device(runner.device).type) else None
         )
         self.launched_forwards = 0
         self.finished_forwards = 0

@@ -30,7 +30,7 @@ from tests.server.test_metrics import metric
 VOCAB = 49152  # SmolLM2's tokenizer, kept by the tiny model
 MAX_NEW = 12
 CANARY = ("--sampler-backend", "token_oracle", "--kv-canary", "raise", "--kv-canary-bytes", "all",
-          "--page-size", "4", "--max-running-requests", "128")
+          "--page-size", "4", "--max-running-requests", "128", "--enable-overlap")  # as on a GPU
 DECODE_KINDS = ("kv_after_forward", "req_to_token", "wrong_slots", "next_token_swap")
 
 

@@ -70,7 +70,8 @@ def reference(sharp_tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 DECODE_CACHE = ("--no-enable-overlap", "--no-disable-prefix-cache")
 
 
-@pytest.fixture(scope="module", params=[(), DECODE_CACHE], ids=["overlap", "no-overlap-decode-cache"])
+@pytest.fixture(scope="module", params=[("--enable-overlap",), DECODE_CACHE],
+                ids=["overlap", "no-overlap-decode-cache"])
 def pair(request: pytest.FixtureRequest, sharp_tiny_path: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """The second kind re-prefills a retracted request from the decode's own prefix cache."""

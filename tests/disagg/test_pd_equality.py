@@ -18,7 +18,8 @@ from tests.server.server_process import ServerProcess
 
 @pytest.fixture(scope="module", params=["tcp"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    p = start_pair(tmp_path_factory.mktemp(f"pd-{request.param}"), request.param)
+    # the overlap scheduler, as on a GPU (a CPU server runs without it by default)
+    p = start_pair(tmp_path_factory.mktemp(f"pd-{request.param}"), request.param, "--enable-overlap")
     yield p
     p.stop()
 

@@ -58,7 +58,7 @@ async def streams(url: str, during: Any = None) -> list[Any]:
 
 
 NAMED = ("--served-model-name", "m")
-CANARY = ("--kv-canary", "raise")
+CANARY = ("--kv-canary", "raise", "--enable-overlap")  # overlap: the fence a GPU needs
 
 
 def requests_done(url: str) -> float:

@@ -40,6 +40,14 @@ def test_cli_contract_flags() -> None:
     assert args.scheduler.max_running_requests == 4
 
 
+@pytest.mark.parametrize(("argv", "cpu", "cuda"), [
+    ([], False, True), (["--enable-overlap"], True, True), (["--no-enable-overlap"], False, False)])
+def test_overlap_defaults_on_for_a_gpu_and_off_for_a_cpu(argv: list[str], cpu: bool,
+                                                         cuda: bool) -> None:
+    sched = parse_server_args(argv).scheduler
+    assert (sched.overlaps("cpu"), sched.overlaps("cuda")) == (cpu, cuda)
+
+
 @pytest.mark.parametrize("argv", [
     ["--role", "router"], ["--port", "0"], ["--stream-interval", "0"],
     ["--device", "cuda", "--mem-fraction-static", "1.2"],
