@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.launch import parse, plan
+from runtime.launch import KEY_ENV, children_env, parse, plan
 from runtime.router.args import build_parser as router_parser
 from runtime.server.args import parse_server_args
 from tests.up_process import Up, alive, descendants
@@ -54,6 +54,16 @@ def test_plan_renders_what_serve_and_router_parse(tmp_path: Path) -> None:
     assert router.port == 9000 and len(router.prefill) == 2 and len(router.decode) == 3
 
 
+def test_children_share_the_cores_without_spinning_unless_told_otherwise() -> None:
+    env = children_env({"PATH": "/bin", KEY_ENV: "parent's"}, "k")
+    assert (env["GOMP_SPINCOUNT"], env[KEY_ENV], env["PATH"]) == ("0", "k", "/bin")
+    assert KEY_ENV not in children_env({KEY_ENV: "parent's"}, None)
+    for theirs in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "1000"}):
+        env = children_env(theirs, None)
+        assert "GOMP_SPINCOUNT" not in env or env["GOMP_SPINCOUNT"] == "1000"
+        assert env.items() >= theirs.items()
+
+
 def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
     up.wait_up()
     text = up.text()
@@ -77,6 +87,7 @@ def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
     assert len(kids) >= 5  # router, 2 servers with a scheduler process each
     for pid in kids:  # the key is in the router's environment, on no command line
         assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"GOMP_SPINCOUNT=0\0" in Path(f"/proc/{pid}/environ").read_bytes()
     stops_cleanly(up, kids)
 
 
