@@ -274,6 +274,16 @@ async def multi_turn(url: str, model: str, extra: dict[str, Any], conversations:
 # --- systems ---------------------------------------------------------------------------------
 
 
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512 (peers' speeds differ by host)."""
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                     if ln.startswith("model name")), "?")
+        return f"{name}, {'with' if ' avx512f' in info else 'without'} AVX-512"
+    return platform.processor() or "?"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -520,7 +530,7 @@ def main() -> int:
 
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+                    "platform": platform.platform(), "cpu": cpu_model()},
         "command": shlex.join([sys.executable, *sys.argv]),
         "settings": {"workloads": args.workloads, "questions": args.questions,
                      "concurrency": args.concurrency, "max_tokens_a": args.max_tokens_a,
