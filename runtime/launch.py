@@ -13,9 +13,10 @@ and only what is left after the grace period is killed, process group and all. E
 dies with this process if it is killed (parent-death signal). Logs go to --log-dir.
 
 The workers share this machine's cores, each with a thread per core, so their OpenMP threads
-sleep at once when they wait (GOMP_SPINCOUNT=0, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is
-set): spinning threads of one process take the cores another computes on (measured on two
-cores: TTFT p50 2.5 s instead of 0.36 s for 4 concurrent cached prompts; docs/performance.md).
+sleep at once when they wait (`sharing_cores`: GOMP_SPINCOUNT=0, unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is set): spinning threads of one process take the cores another computes on
+(measured on two cores: TTFT p50 2.5 s instead of 0.36 s for 4 concurrent cached prompts;
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -160,11 +161,18 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
     return children
 
 
+def sharing_cores(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a worker that shares its cores with other workers: its OpenMP threads sleep
+    when they wait instead of spinning (unless `env` already says how they wait). Alone on its
+    cores a worker is faster spinning (measured: docs/performance.md)."""
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env):
+        env["GOMP_SPINCOUNT"] = "0"
+    return env
+
+
 def children_env(base: Mapping[str, str], key: str | None) -> dict[str, str]:
     """`base` for every child, with cluster key `key` (None: none, as a bare `baton serve`)."""
-    env = dict(base, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env):
-        env["GOMP_SPINCOUNT"] = "0"  # shared cores: OpenMP threads sleep, never spin
+    env = sharing_cores(dict(base, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"))
     env.pop(KEY_ENV, None)
     if key is not None:
         env[KEY_ENV] = key

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from runtime.launch import sharing_cores
 from runtime.lifecycle import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,8 +59,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", **(env or {}))
+        # several servers share this machine's cores in most tests, as under `baton up`
+        env = sharing_cores(dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1",
+                                 TOKENIZERS_PARALLELISM="false", **(env or {})))
         cmd = [*BATON_CMD, "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--max-total-tokens", "4096", *extra_args]
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
