@@ -80,7 +80,4 @@ class Mover(Generic[R]):
         return self.sender.has_work()
 
     def close(self) -> None:
-        """Its writes end, then its bootstrap port closes (the transfer is the decode's)."""
-        self.sender.sender.close()
-        if self.sender.bootstrap is not None:
-            self.sender.bootstrap.close()
+        self.sender.close()  # its writes and bootstrap port; the transfer is the decode's

@@ -76,6 +76,7 @@ class PrefillRole(Generic[R]):
     tally: Tally = field(default_factory=Tally)  # KV-plane events, from the bootstrap threads
     stats: DisaggStats = field(default_factory=DisaggStats)
     canary: HandoffCanary | None = None  # the KV canary's tags travel with the pages
+    owns_transfer: bool = True  # False: a draining decode's sender, on the decode's transfer
 
     def __post_init__(self) -> None:
         self.instance_id = self.transfer.agent_name  # /route, the KV link proof, nixl's agent
@@ -348,6 +349,7 @@ class PrefillRole(Generic[R]):
         """Writes end first and the bootstrap port closes last: a decode that finds it refusing
         connections may take it that this prefill writes nothing more."""
         self.sender.close()
-        self.transfer.close()
+        if self.owns_transfer:
+            self.transfer.close()
         if self.bootstrap is not None:
             self.bootstrap.close()

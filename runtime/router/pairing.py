@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, TypeGuard
 
 from runtime.auth.key import ClusterKey
 from runtime.router.config import RouterConfig
@@ -75,7 +75,7 @@ class Pairing:
         if not decodes:
             return None
         decode = least_loaded(decodes)
-        moved = req.moved(host, cast(int, port), cast(int, room))  # (checked above)
+        moved = req.moved(host, port, room)
         return moved.signed(self.key, source, decode, self.config.ticket_ttl_s), decode
 
     def _fallback(self, avoided: set[Worker]) -> Worker:
@@ -102,6 +102,6 @@ class Pairing:
         return self.workers.unready_reason()
 
 
-def _whole(value: Any, low: int, end: int) -> bool:
+def _whole(value: Any, low: int, end: int) -> TypeGuard[int]:
     """An int (not a bool) in [low, end)."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < end

@@ -131,8 +131,9 @@ def build_role(
                                   canary_bytes=args.canary.kv_canary_bytes)
     tally = Tally()
 
-    def sender() -> PrefillRole[Req]:
-        """The sending side: a prefill's, or a draining decode's (its moved requests)."""
+    def sender(owns_transfer: bool = True) -> PrefillRole[Req]:
+        """The sending side: a prefill's, or a draining decode's (its moved requests, on the
+        decode's transfer)."""
         from runtime.auth.signed import CallGate
         from runtime.disagg.bootstrap import BootstrapServer
         from runtime.disagg.prefill import PrefillRole
@@ -141,7 +142,7 @@ def build_role(
         warn_if_open(key, f"{args.role} {name} (bootstrap port {args.disagg.bootstrap_port})")
         role: PrefillRole[Req] = PrefillRole(
             scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
-            tally, canary=handoff)
+            tally, canary=handoff, owns_transfer=owns_transfer)
         role.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, role,
                                          CallGate(key), tally)
         role.ready = True
@@ -161,7 +162,8 @@ def build_role(
                           transfer.name, transfer.local_info())
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
-    mover = Mover(scheduler, sender(), me.receiver_host) if args.disagg.move_kv_on_drain else None
+    mover = (Mover(scheduler, sender(owns_transfer=False), me.receiver_host)
+             if args.disagg.move_kv_on_drain else None)
     decode: DecodeRole[Req] = DecodeRole(
         scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
         wake, vocab_size, tally, canary=handoff, mover=mover)
