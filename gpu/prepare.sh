@@ -2,7 +2,8 @@
 # Here, on a CPU machine: fill .whl/ (git-ignored) with what the lent GPU machine lacks, for
 # `run(carry=[".whl"], command="bash gpu/run.sh python3 -m pytest -q -m gpu tests/gpu")`:
 # - the small wheels of the serving stack and the openai SDK (its python 3.12 has torch+CUDA,
-#   triton and transformers, not these; docs/gpu.md "The GPU machine"), at this venv's versions;
+#   triton and transformers, not these; docs/gpu.md "The GPU machine"), at this venv's versions,
+#   with each one's own requirements that machine lacks (fastapi >= 0.165 imports opentelemetry);
 # - .whl/model: the builtin model's config and tokenizer (its weights cannot travel; the GPU
 #   tests and bench/gpu.py write random-initialised ones there).
 # flashinfer and nixl (~60 MB each) would fill a command's 64 MiB alone: not included here;
@@ -25,7 +26,7 @@ if [ "${1:-}" = nixl ]; then
 fi
 packages="fastapi starlette uvicorn pydantic pydantic-core pyzmq annotated-types typing-inspection
           h11 click anyio sniffio jinja2 markupsafe openai jiter httpx2 httpcore2 truststore
-          pytest-timeout"
+          pytest-timeout opentelemetry-api annotated-doc"
 pins=$($py - $packages <<'PY'
 import importlib.metadata as m, sys
 print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))

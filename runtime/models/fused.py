@@ -126,7 +126,9 @@ def rope_launch(
         _rope_kernel, (t, heads + k.shape[1]),
         (q, k, q_out, k_out, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
          cos.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1)),
-        dict(NQ=heads, HALF=dim // 2),
+        # no FMA contraction: triton (3.6 and 3.8, sm_90) otherwise fuses a rounded product into
+        # the sum (fma.rn.bf16 / fma.rn.f32), one rounding fewer than torch: seen on an H100
+        dict(NQ=heads, HALF=dim // 2, enable_fp_fusion=False),
         (q_out, k_out),
     )  # fmt: skip
 

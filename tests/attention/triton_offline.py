@@ -107,6 +107,7 @@ def main() -> None:
                     row = {"arch": arch, "shape": name, "dtype": dtype, "kernel": kernel,
                            "cubin_bytes": len(compiled.asm["cubin"]),
                            "dynamic_shared": compiled.metadata.shared,
+                           "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
                            **resources(compiled.asm["cubin"])}  # fmt: skip
                     print(json.dumps(row), flush=True)
     print(json.dumps({"triton": triton.__version__}), file=sys.stderr)

@@ -6,6 +6,7 @@ random-initialised weights, written there (token equality with HF holds for any 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -15,8 +16,8 @@ import torch
 from tests.engine.hf_reference import Reference, hf_greedy
 
 # every GPU test module's marks; the timeout (pytest-timeout travels in .whl) keeps one hung test
-# from eating a whole 10-minute command on the lent machine
-GPU = [pytest.mark.gpu, pytest.mark.timeout(240),
+# from eating a whole 10-minute command on the lent machine (BATON_GPU_TEST_TIMEOUT: a shorter one)
+GPU = [pytest.mark.gpu, pytest.mark.timeout(int(os.environ.get("BATON_GPU_TEST_TIMEOUT", "240"))),
        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 REPO = Path(__file__).resolve().parents[2]
 CARRIED = REPO / ".whl" / "model"  # config.json + tokenizer files, from gpu/prepare.sh
