@@ -108,7 +108,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "baton_requests", "Finished requests by status (stop, length, abort, rejected)",
+            "baton_requests", "Finished requests by status (stop, length, abort, rejected; lost: its scheduler died)",
             ["status"], registry=r,
         )
         self.http_errors = Counter(
@@ -165,6 +165,10 @@ class Metrics:
 
     def on_rejected(self) -> None:
         self.requests.labels(status="rejected").inc()
+
+    def on_lost(self) -> None:
+        """A request its scheduler process died owing more (failed, not finished)."""
+        self.requests.labels(status="lost").inc()
 
     def set_stats(self, stats: SchedulerStats) -> None:
         self.queue_depth.set(stats.num_waiting)

@@ -68,6 +68,7 @@ class ReqState:
     outputs: list[ReqOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: RequestError | None = None
+    lost: str | None = None  # the scheduler died owing it more: why (a failure, not a finish)
     finished: bool = False
     created: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -131,10 +132,17 @@ class TokenizerManager:
         self._pull.close(linger=0)
 
     def scheduler_died(self, why: str) -> None:
-        """Fail every request the scheduler still owed us; serve 503s from now on."""
+        """Fail every request the scheduler still owed us; serve 503s from now on. A request
+        cut short this way is a failure, as if the whole worker had died (its stream ends with
+        an error event, which a router follows elsewhere; before any response, a 503), never a
+        finish: its tokens so far are delivered first."""
         self.unavailable = why
         self.ready.clear()
-        self.end_all(why)
+        for state in list(self.states.values()):
+            state.lost, state.finished = why, True
+            state.event.set()
+            self._forget(state)
+            self.metrics.on_lost()
         self.end_streams()
 
     def end_all(self, why: str) -> None:
@@ -249,7 +257,7 @@ class TokenizerManager:
 
     async def next_output(self, state: ReqState, timeout: float) -> ReqOutput:
         """Everything queued for the request since the last call, coalesced into one output."""
-        if not state.outputs and state.error is None:
+        if not state.outputs and state.error is None and state.lost is None:
             try:
                 await asyncio.wait_for(state.event.wait(), timeout)
             except TimeoutError:
@@ -257,6 +265,8 @@ class TokenizerManager:
         state.event.clear()
         if state.error is not None:
             raise InvalidRequest(state.error.message, state.error.field, state.error.status)
+        if state.lost is not None and not state.outputs:
+            raise SchedulerUnavailable(state.lost)
         outputs, state.outputs = state.outputs, []
         return ReqOutput.concat(outputs)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -184,9 +186,12 @@ def assert_streams_move(dep: Deployment, undisturbed: list[list[int]], disturb: 
     eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
 
 
-def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deployment) -> None:
+@pytest.mark.parametrize("part", ["server", "scheduler"])
+def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deployment, part: str) -> None:
     """8 streams, the victim holding several of them mid-way: each stream goes on from the
-    other decode (the prefill computes prompt + what was streamed), every token exactly once."""
+    other decode (the prefill computes prompt + what was streamed), every token exactly once.
+    `scheduler`: only the victim's scheduler process dies; its HTTP process must fail the
+    streams as a dead server would, not end them as if finished."""
     dep = two_decodes
     undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=LONG))
     victim = dep.decodes[0]
@@ -195,7 +200,10 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
     async def kill_mid_stream() -> None:
         await all_streaming(8)
         assert await asyncio.to_thread(metric, dep.router.url, in_flight) >= 3
-        victim.kill()
+        if part == "server":
+            victim.kill()
+        else:
+            os.kill(victim.scheduler_pid(), signal.SIGKILL)
 
     assert_streams_move(dep, undisturbed, kill_mid_stream)
 
