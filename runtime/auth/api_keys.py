@@ -6,6 +6,9 @@ and `#` comments ignored) and `$BATON_API_KEY` (comma-separated). The file is re
 changes (checked every RELOAD_S), so a rotated Secret mounted there takes effect without a
 restart and without touching requests in flight; during a rotation list both keys for a while.
 A key is compared in constant time against every key; no key is ever logged or echoed.
+A key file fails closed: one that holds no key (empty, blank, comments only) or that can no
+longer be read (deleted) leaves that file with no keys, so with no other key every request
+outside the open paths is refused, and a warning says so at start-up and at each change.
 `/health` and `/ready` stay open (probes), `/metrics` too unless `--protect-metrics`. A refusal
 is a 401 in the OpenAI error shape (`code: invalid_api_key`) with `WWW-Authenticate: Bearer`.
 The router presents its own first key to the workers behind it (one key set per deployment).
@@ -50,7 +53,8 @@ class ApiKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.keys())
+        """Keys are required: some were given, or a key file was (even one that holds none)."""
+        return bool(self.fixed) or self.path is not None
 
     def keys(self) -> tuple[str, ...]:
         self._reload()
@@ -64,7 +68,7 @@ class ApiKeys:
     def allows(self, authorization: str | None) -> bool:
         """Whether this `Authorization` header carries one of the keys (always, without keys)."""
         keys = self.keys()
-        if not keys:
+        if not self.enabled:
             return True
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer":
@@ -84,13 +88,24 @@ class ApiKeys:
         except OSError as e:
             if force:
                 raise ValueError(f"--api-key-file {self.path}: {e.strerror or e}") from e
-            log.warning("--api-key-file %s: %s; keeping the keys read before", self.path, e)
+            if self._mtime is not None:  # once per disappearance, not every RELOAD_S
+                self._mtime, self._from_file = None, ()
+                self._warn_if_keyless(f"cannot be read ({e.strerror or e})")
             return
         self._mtime = mtime
         self._from_file = tuple(ln.strip() for ln in lines
                                 if ln.strip() and not ln.strip().startswith("#"))
-        if not force:
-            log.info("--api-key-file changed: %d key(s) now", len(self._from_file))
+        if self._from_file:
+            if not force:
+                log.info("--api-key-file changed: %d key(s) now", len(self._from_file))
+        else:
+            self._warn_if_keyless("holds no key")
+
+    def _warn_if_keyless(self, problem: str) -> None:
+        log.warning("--api-key-file %s %s: %s", self.path, problem,
+                    "its keys are void (the other keys still hold)" if self.fixed else
+                    "there is no valid API key, so every request but the probes is refused (401) "
+                    "until the file holds one")
 
 
 class ApiKeyGate:
@@ -106,7 +121,8 @@ class ApiKeyGate:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         if self.keys.allows(header):
             return await self.app(scope, receive, send)
-        why = ("Incorrect API key provided" if header else
+        why = ("This server has no valid API key configured: every request is refused"
+               if not self.keys.keys() else "Incorrect API key provided" if header else
                "Missing API key: send it as `Authorization: Bearer <key>`")
         body = json.dumps(error_body(why, "invalid_request_error", "invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [

@@ -37,6 +37,66 @@ def test_keys_from_flags_env_and_a_file_that_changes(tmp_path: Path) -> None:
         ApiKeys(path=str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n", "# the key goes here\n#sk-commented\n", None],
+                         ids=["empty", "blank", "comments", "deleted"])
+def test_a_key_file_without_keys_refuses_everyone_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str | None) -> None:
+    """Fail closed: a key file rewritten (or deleted) so that it yields no key refuses every
+    request, with a warning, at the next reload; one that holds none at start-up too."""
+    path = tmp_path / "keys"
+    path.write_text("sk-a\n")
+    keys = ApiKeys(path=str(path))
+    assert keys.allows("Bearer sk-a")
+    if content is None:
+        path.unlink()
+    else:
+        path.write_text(content)
+    keys._checked = 0.0  # (the reload interval passed)
+    with caplog.at_level("WARNING", "runtime.auth.api_keys"):
+        assert keys.enabled and not keys.allows(None) and not keys.allows("Bearer sk-a")
+        assert not keys.allows("Bearer ") and not keys.allows("Bearer")
+    assert "every request but the probes is refused" in caplog.text, caplog.text
+    caplog.clear()
+    if content is not None:
+        with caplog.at_level("WARNING", "runtime.auth.api_keys"):
+            fresh = ApiKeys(path=str(path))
+        assert not fresh.allows(None) and not fresh.allows("Bearer ") and "refused" in caplog.text
+    path.write_text("sk-b\n")  # keys again: back in service
+    keys._checked = 0.0
+    assert keys.allows("Bearer sk-b")
+    both = ApiKeys(["sk-flag"], str(path))
+    path.write_text("")
+    both._checked = 0.0
+    assert both.allows("Bearer sk-flag") and not both.allows("Bearer sk-b")  # the flag's key holds
+
+
+def test_worker_and_router_with_an_empty_key_file_refuse_everyone(tiny_path: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "keys"
+    empty.write_text("# filled in by the deployment\n")
+    srv = ServerProcess("--api-key-file", str(empty), model=str(tiny_path),
+                        log_path=tmp_path / "server.log")
+    router = None
+    try:
+        srv.wait_ready()
+        router = start_router("--prefill", f"{srv.url},1", "--decode", srv.url, "--api-key-file",
+                              str(empty), log_path=tmp_path / "router.log", ready=False)
+        deadline = time.monotonic() + 30
+        while not _answers(f"{router.url}/health"):
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.1)
+        for side in (srv, router):
+            for path in ("/v1/models", "/v1/completions", "/generate"):
+                r = httpx.post(f"{side.url}{path}", json={"prompt": "hi", "text": "hi"},
+                               headers={"Authorization": "Bearer anything"})
+                assert r.status_code == 401 and "no valid API key" in r.text, (side.url, path, r.text)
+            assert httpx.get(f"{side.url}/health").status_code == 200
+            assert "every request but the probes is refused" in side.log()
+    finally:
+        if router is not None:
+            router.stop()
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     logs = tmp_path_factory.mktemp("keyed")
