@@ -79,9 +79,13 @@ class Bootstrap(_Strict):
         if room is None:
             return [None] * choices
         rooms = [room] if isinstance(room, int) else list(room)
-        if len(rooms) != choices or len(set(rooms)) != len(rooms):
-            raise InvalidRequest(f"bootstrap_room: give {choices} distinct room(s), one per "
-                                 f"choice; got {len(rooms)}", "bootstrap_room")
+        if len(rooms) != choices:
+            raise InvalidRequest(f"bootstrap_room: give {choices} room(s), one per choice; got "
+                                 f"{len(rooms)}", "bootstrap_room")
+        repeated = sorted({r for r in rooms if rooms.count(r) > 1})
+        if repeated:
+            raise InvalidRequest(f"bootstrap_room: each choice needs a room of its own; "
+                                 f"{', '.join(map(str, repeated))} repeated", "bootstrap_room")
         return list(rooms)
 
 

@@ -133,6 +133,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(413, str(e), "body_too_large")
         except (ValueError, TypeError, KeyError) as e:
             self._error(400, f"bad request: {e}", "bad_request")
+        except Exception:  # a bug: answered, not a connection dropped mid-call
+            log.exception("bootstrap %s %s failed", self.command, self.path)
+            self._error(500, "internal error (logged)", "internal_error")
 
     def do_DELETE(self) -> None:
         prefix = "/rooms/"

@@ -57,7 +57,7 @@ class Exchange:
         self.proxy, self.pairs, self.route, self.move = proxy, pairs, route, move
         self.follower = follower_for(req, proxy.config.max_migrations)
         # a followed stream may move, and a draining decode may move it with its KV
-        body = {k: v for k, v in req.body.items() if k != "allow_kv_move"}
+        body = dict(req.body)  # (a client's own router-only fields are gone: ROUTER_ONLY)
         if self.follower is not None:
             body["allow_kv_move"] = True
             if req.endpoint in (CHAT, COMPLETIONS):

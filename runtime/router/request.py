@@ -33,6 +33,11 @@ from runtime.validation import InvalidRequest, describe_errors, parse_json_body
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (GENERATE, COMPLETIONS, CHAT)
 MAX_CHOICES = 1024  # far above what a worker accepts (n <= 16, 16 prompts); bounds the rooms
+# what only the router may say to a worker (the wire contract's own fields): a client's are
+# dropped, so a client cannot resume from tokens of its choosing, take the token ids the router
+# follows a stream by, present a ticket, or let a decode move its KV
+ROUTER_ONLY = ("resume", "return_token_ids", "allow_kv_move", "bootstrap_ticket",
+               "bootstrap_host", "bootstrap_port")
 ClientRequest = GenerateBody | CompletionRequest | ChatCompletionRequest
 MODELS: dict[str, type[ClientRequest]] = {
     GENERATE: GenerateBody, COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
@@ -99,6 +104,8 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> Routed
     """The client's body, checked as `baton serve` checks it (a RouterError otherwise), with
     the routing fields added."""
     body = _json_object(raw, content_type)
+    for name in ROUTER_ONLY:
+        body.pop(name, None)
     parsed = validate(endpoint, body)
     client_rid = body.get("rid") if endpoint == GENERATE else None
     body["rid"] = _rid(endpoint, body)

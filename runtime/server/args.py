@@ -17,7 +17,7 @@ from typing import Any
 
 from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
-from runtime.canary.perturb_kinds import parse_perturb
+from runtime.canary.perturb_kinds import parse_perturb, uncatchable
 from runtime.config import CanaryConfig, DisaggConfig, ServerArgs
 
 ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
@@ -109,7 +109,7 @@ def _check(args: ServerArgs) -> list[str]:
         (args.disagg, ("heartbeat_misses",)),
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
-    problems += _check_canary(args.canary)
+    problems += _check_canary(args.canary, args.engine.sampler_backend)
     fraction = args.engine.mem_fraction_static
     if fraction is not None and not 0.0 < fraction < 1.0:
         problems.append(f"--mem-fraction-static must be in (0, 1), got {fraction}")
@@ -135,7 +135,7 @@ def _check(args: ServerArgs) -> list[str]:
     return problems
 
 
-def _check_canary(c: CanaryConfig) -> list[str]:
+def _check_canary(c: CanaryConfig, sampler_backend: str) -> list[str]:
     problems = [] if c.kv_canary_sweep >= 1 else ["--kv-canary-sweep must be >= 1"]
     try:
         kinds = parse_perturb(c.perturb)
@@ -144,6 +144,7 @@ def _check_canary(c: CanaryConfig) -> list[str]:
     if kinds and not c.enabled:
         problems.append("--perturb injects faults for the KV canary to catch: it needs "
                         "--kv-canary log or raise")
+    problems += uncatchable(kinds, c.kv_canary_bytes, sampler_backend)
     if c.kv_canary_bytes != "none" and not c.enabled:
         problems.append("--kv-canary-bytes needs --kv-canary log or raise")
     return problems

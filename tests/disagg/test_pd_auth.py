@@ -242,6 +242,14 @@ def test_a_nixl_prefill_hands_no_pool_metadata(tiny_path: Path, tmp_path: Path) 
         r = httpx.post(f"{boot(p)}/peers", content=raw, headers=headers, timeout=30)
         assert r.status_code == 200 and r.json() == {"backend_info": {}}, r.text
         agent.close()
+        # a signed registration whose nixl metadata is garbage: refused, in words (no dropped
+        # connection from an exception nixl raised in the handler)
+        info = peer["backend_info"]
+        for garbage in ({**info, "metadata": base64.b64encode(b"garbage").decode()},
+                        {**info, "metadata": "%%%"}, {**info, "addr": "x"}, {}):
+            raw, headers = signed(p, "POST", "/peers", {**peer, "backend_info": garbage})
+            r = httpx.post(f"{boot(p)}/peers", content=raw, headers=headers, timeout=30)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "peer_rejected", r.text
     finally:
         p.stop()
 

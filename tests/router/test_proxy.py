@@ -106,6 +106,26 @@ def test_client_room_and_generate_rid_are_kept(pd: PD) -> None:
     assert d.generation().body["rid"] != "theirs"  # OpenAI endpoints: the router's rid
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_only_the_router_may_set_is_not_taken_from_a_client(pd: PD, stream: bool) -> None:
+    """A client's `resume` (tokens it claims to have), `return_token_ids`, `allow_kv_move`, ticket
+    and bootstrap address never reach a worker as the client sent them."""
+    router, p, d = pd
+    forged = {"resume": {"output_ids": [1, 2, 3], "text_chars": 3}, "return_token_ids": True,
+              "allow_kv_move": True, "bootstrap_ticket": "v1.forged.mac",
+              "bootstrap_host": "10.9.9.9", "bootstrap_port": 1}
+    for path, body in BODIES.items():
+        r = router.client.post(path, json={**body, **forged, "stream": stream})
+        assert r.status_code == 200, r.text
+        sent_d = d.generation().body
+        for sent in (sent_d, p.generation(sent_d["rid"]).body):
+            assert "resume" not in sent and "bootstrap_ticket" not in sent, sent
+            assert (sent["bootstrap_host"], sent["bootstrap_port"]) == ("127.0.0.1", 8998)
+            following = stream  # the router's own follower asks for these (both sides)
+            assert sent.get("allow_kv_move", False) is following, sent
+            assert sent.get("return_token_ids", False) is (following and path != "/generate"), sent
+
+
 def test_sse_reaches_the_client_before_the_worker_sends_more(pd: PD) -> None:
     router, _, d = pd
     body = {**BODIES["/v1/completions"], "stream": True,

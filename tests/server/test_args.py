@@ -83,3 +83,17 @@ def test_canary_flags_are_checked() -> None:
                 ["--kv-canary-bytes", "all"]):
         with pytest.raises(SystemExit):
             parse_server_args(bad)
+
+
+@pytest.mark.parametrize(("kind", "needs"), [
+    ("kv_before_send", ["--kv-canary-bytes", "partial"]),
+    ("kv_after_forward", ["--kv-canary-bytes", "all"]),
+    ("next_token_swap", ["--sampler-backend", "token_oracle"])])
+def test_a_fault_the_canary_cannot_catch_is_refused(
+        kind: str, needs: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--kv-canary", "log", "--perturb", f"{kind}=0.1"]
+    with pytest.raises(SystemExit):
+        parse_server_args(flags)
+    err = capsys.readouterr().err
+    assert f"--perturb {kind}" in err and needs[0] in err, err
+    assert parse_server_args([*flags, *needs]).canary.perturb == f"{kind}=0.1"

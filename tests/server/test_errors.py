@@ -91,3 +91,17 @@ def test_server_keeps_serving(server: ServerProcess, client: httpx.Client) -> No
     assert 'baton_http_errors_total{status="400"}' in metrics
     r = client.post(COMP, json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_bootstrap_rooms_say_what_is_wrong_with_them() -> None:
+    from runtime.protocol import GenerateBody
+    from runtime.validation import InvalidRequest
+
+    pd = {"text": "x", "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}
+    for rooms, choices, says in (([7, 7, 7, 7], 4, "7 repeated"), ([1, 2, 1, 2, 3], 5, "1, 2 repeated"),
+                                 ([1, 2], 3, "give 3 room(s), one per choice; got 2")):
+        body = GenerateBody.model_validate({**pd, "bootstrap_room": rooms})
+        with pytest.raises(InvalidRequest, match="bootstrap_room: ") as e:
+            body.rooms("decode", choices)
+        assert says in str(e.value), e.value
+    assert GenerateBody.model_validate({**pd, "bootstrap_room": [3, 4]}).rooms("prefill", 2) == [3, 4]

@@ -109,8 +109,10 @@ class NixlTransfer(KVTransfer):
             with self._lock:
                 peer.agent = self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
                 self.agent.make_connection(peer.agent)  # UCX wire-up now, not in the first WRITE
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise TransferError(f"nixl: cannot connect to peer {peer_id}: {e}") from e
+        except Exception as e:  # a peer's word: malformed, or metadata nixl refuses (its own
+            # error types, e.g. nixlMismatchError, derive from Exception only)
+            raise TransferError(f"nixl: cannot connect to peer {peer_id}: "
+                                f"{type(e).__name__}: {e}") from e
         self.peers[peer_id] = peer
 
     def forget(self, peer_id: str) -> None:
