@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+MAX_BODY_BYTES = 1 << 20  # a request body's limit, on the workers and the router alike
+
 Role = Literal["colocated", "prefill", "decode"]
 LinearBackend = Literal["auto", "onednn", "torch"]  # runtime/models/linear.py
 
@@ -227,7 +229,7 @@ class ServerArgs:
         metadata=_help("module imported in the scheduler process first (repeatable); it may "
                        "call register_sampler_backend"),
     )
-    max_body_bytes: int = field(default=1 << 20, metadata=_help("larger bodies get 413"))
+    max_body_bytes: int = field(default=MAX_BODY_BYTES, metadata=_help("larger bodies get 413"))
     api_key: tuple[str, ...] = field(default=(), metadata=_help(
         "require `Authorization: Bearer KEY` (repeatable; also $BATON_API_KEY, comma-separated)"))
     api_key_file: str | None = field(default=None, metadata=_help(

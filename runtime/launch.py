@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="cache_aware",
                    help="the router's (default: cache_aware, with the model's tokenizer)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the router requires `Authorization: Bearer KEY` (else also $BATON_API_KEY)")
+                   help="the router and every worker require `Authorization: Bearer KEY` (else "
+                   "also $BATON_API_KEY); the router presents it to the workers")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="one log file per process (default: a new folder under the temp dir)")
     return p
@@ -135,11 +136,16 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
     common = ["--model", args.model, "--host", args.host, "--kv-transfer", args.kv_transfer, *extra]
     children = []
     ports = iter(free_ports(args.host, 2 * (args.prefill + args.decode)))
+    # the API key travels in the environment, never on a command line `ps` shows: the router
+    # requires it of clients, and the workers of anyone who reaches their ports directly (the
+    # router presents it to them)
+    key = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = next(ports)
             cmd = [*baton, "serve", "--role", role, "--port", str(port), *common]
-            child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log")
+            child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log",
+                          env=dict(key))
             if role == "prefill":
                 child.extra["bootstrap_port"] = next(ports)
                 child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
@@ -154,10 +160,8 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
         flag = "--prefill" if c.name.startswith("prefill") else "--decode"
         value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url
         router += [flag, value]
-    # the key travels in the router's environment, never on a command line `ps` shows
-    key = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
     children.append(Child("router", router, f"http://{args.host}:{args.port}",
-                          log_dir / "router.log", env=key))
+                          log_dir / "router.log", env=dict(key)))
     return children
 
 

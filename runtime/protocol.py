@@ -9,7 +9,9 @@ Torch-free: `baton router` validates with these same models before it fans a req
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -51,6 +53,27 @@ class Resume(_Strict):
     text_chars: Annotated[int, Field(ge=0), _INTEGRAL] = 0
 
 
+# what decides a request's prompt tokens, in any endpoint's body, but for the router's `resume`
+PROMPT_FIELDS = frozenset({"text", "input_ids", "prompt", "messages"})
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def prompt_hash(fields: Mapping[str, Any]) -> str:
+    """sha256 of a body's PROMPT_FIELDS as JSON (absent and null alike left out)."""
+    return _sha256({k: fields[k] for k in sorted(PROMPT_FIELDS) if fields.get(k) is not None})
+
+
+def prompt_digest(fields: Mapping[str, Any], hashed: str | None = None) -> str:
+    """What a room ticket binds a request's prompt by: its prompt_hash (`hashed`, if the caller
+    has it already) and its `resume`. The router signs it from the request it parsed, and each
+    worker computes it from the request it parsed with the same model, so a ticket admits one
+    prompt only."""
+    return _sha256([hashed or prompt_hash(fields), fields.get("resume")])
+
+
 class Bootstrap(_Strict):
     """What `baton router` adds to a request for a prefill/decode pair (docs/disaggregation.md "Wire contract"):
     the request id, the prefill's bootstrap address and one room per choice; to resume a stream,
@@ -67,6 +90,9 @@ class Bootstrap(_Strict):
     # a one-choice stream whose client follows it (a router): a draining decode may move it,
     # KV and all, to another decode, ending it with where it went (docs/router.md "Migration")
     allow_kv_move: bool = False
+
+    def prompt_digest(self) -> str:
+        return prompt_digest(self.model_dump(mode="json", include={*PROMPT_FIELDS, "resume"}))
 
     def rooms(self, role: str, choices: int) -> list[int | None]:
         """One bootstrap room per choice; a 400 when a prefill/decode server lacks them."""

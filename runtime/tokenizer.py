@@ -29,6 +29,9 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
+LONG_TEXT = 1 << 14  # characters: tokenized without holding the GIL (Tokenizer.encode)
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", "lstrip": ..., ...}
         value = value.get("content")
@@ -53,7 +56,12 @@ class Tokenizer:
         return None if eos is None else self.backend.token_to_id(eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) < LONG_TEXT:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # tokenizers holds the GIL through `encode` but lets it go in `encode_batch`: a long
+        # prompt tokenized in a thread then leaves the event loop's thread running
+        [encoding] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -84,12 +84,39 @@ def test_serves_through_the_router_and_stops_everything(up: Up) -> None:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["choices"]
     kids = descendants(up.proc.pid)
+    workers_need_the_key(text, kids)
     assert len(kids) >= 5  # router, 2 servers with a scheduler process each
     for pid in kids:  # the key is in the router's environment, on no command line
         assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # else theirs wins
             assert b"GOMP_SPINCOUNT=0\0" in Path(f"/proc/{pid}/environ").read_bytes()
     stops_cleanly(up, kids)
+
+
+def workers_need_the_key(text: str, kids: set[int]) -> None:
+    """Every worker port refuses what is not a probe without the key (a client that reaches a
+    worker directly cannot flush its cache, abort a rid, read its debug views or KV events),
+    and serves it with the key; a prefill's bootstrap port answers only signed calls."""
+    urls = re.findall(r"\] (?:prefill|decode)-\d ready at (http://\S+)", text)
+    assert len(urls) == 2, text
+    calls = [("POST", "/flush_cache"), ("POST", "/abort"), ("GET", "/debug/stats"),
+             ("GET", "/debug/prefix_cache"), ("GET", "/kv_events"), ("GET", "/tokenizer"),
+             ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/server_info"),
+             ("GET", "/v1/models"), ("POST", "/generate"), ("POST", "/v1/completions")]
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=30) as http:
+        for url in urls:
+            for method, path in calls:
+                r = http.request(method, f"{url}{path}", json={"rid": "nobody"})
+                assert r.status_code == 401, (url, path, r.status_code, r.text)
+            for path in ("/health", "/ready", "/metrics"):
+                assert http.get(f"{url}{path}").status_code == 200, (url, path)
+            assert http.get(f"{url}/debug/stats", headers=key).status_code == 200
+    ports = [cmd[cmd.index("--bootstrap-port") + 1] for pid in kids
+             if "--bootstrap-port" in (cmd := Path(f"/proc/{pid}/cmdline").read_text().split("\0"))
+             and "prefill" in cmd]
+    assert len(ports) == 1, ports
+    assert httpx.get(f"http://127.0.0.1:{ports[0]}/route").status_code == 401
 
 
 def stops_cleanly(up: Up, kids: set[int]) -> None:

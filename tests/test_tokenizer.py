@@ -24,6 +24,8 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens written as text<|im_end|>", "don't won't I'm you're",
     "code: def f(x):\n    return x ** 2  # comment", "1234567890 3.14159 -2e10", "a" * 300,
     "Hello , world . Is it ? Yes !", "\u00a0non-breaking\u2009thin space",
+    # past LONG_TEXT: tokenized with the GIL let go (encode_batch), the same ids
+    "naïve café — 日本語 🚀 code: def f(x): return x ** 2\n" * 600,
 ]
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello!"}],

@@ -3,13 +3,15 @@ decode, until a deadline.
 
     v1.<payload: base64url JSON>.<MAC: base64url>
     payload {"rooms": [int], "rid": str, "prefill": instance id, "host": str, "port": int,
-             "decode": instance id, "exp": unix seconds}
+             "decode": instance id, "exp": unix seconds, "prompt": sha256 hex}
 
 The router signs one per request (`sign`) and sends it to both sides as `bootstrap_ticket`.
 A worker with a cluster key (`TicketGate.admit`, in its HTTP process, before it tokenizes or
 allocates anything) accepts a request only with a ticket that verifies, has not expired, names
-exactly the request's rooms, rid and bootstrap address, names this worker's instance as its
-side, and was not used here before. So a decode connects only to the prefill a signed ticket
+exactly the request's rooms, rid, bootstrap address and prompt (`runtime.protocol.prompt_digest`
+of its text, ids or messages and its `resume`: one unused ticket cannot carry prompt A to the
+prefill and B to the decode), names this worker's instance as its side, and was not used here
+before. So a decode connects only to the prefill a signed ticket
 names (never to a `bootstrap_host` of the caller's choosing), and the prefill checks the same
 ticket again when the decode registers the room (`check_room`). Failures are 401 (no ticket)
 or 403 (forged, expired, replayed, or for another room, address or instance).
@@ -46,6 +48,7 @@ class RoomTicket:
     port: int
     decode: str
     exp: float
+    prompt: str  # runtime.protocol.prompt_digest of the request's prompt
 
     def sign(self, key: ClusterKey) -> str:
         payload = json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
@@ -59,9 +62,10 @@ class RoomTicket:
 
 
 def sign(key: ClusterKey, rooms: int | list[int], rid: str, prefill: str, host: str, port: int,
-         decode: str, ttl_s: float = TTL_S) -> str:
+         decode: str, prompt: str, ttl_s: float = TTL_S) -> str:
     listed = [rooms] if isinstance(rooms, int) else list(rooms)
-    return RoomTicket(listed, rid, prefill, host, port, decode, time.time() + ttl_s).sign(key)
+    return RoomTicket(listed, rid, prefill, host, port, decode, time.time() + ttl_s,
+                      prompt).sign(key)
 
 
 def verify(key: ClusterKey, token: str) -> tuple[RoomTicket, bytes]:
@@ -98,9 +102,9 @@ class TicketGate:
         return self.key.enabled and self.role in ("prefill", "decode")
 
     def admit(self, token: str | None, rooms: list[int], rid: str | None, host: str | None,
-              port: int | None, me: str | None, now: float | None = None) -> None:
+              port: int | None, me: str | None, prompt: str, now: float | None = None) -> None:
         """Raise TicketRefused unless `token` lets this worker (instance `me`) serve a request
-        with these rooms, rid and bootstrap address. No-op without a cluster key."""
+        with these rooms, rid, bootstrap address and prompt digest. No-op without a cluster key."""
         if not self.required:
             return
         if not token:
@@ -116,6 +120,7 @@ class TicketGate:
         wrong = [name for name, ok in (
             ("bootstrap_room", ticket.rooms == rooms), ("rid", ticket.rid == rid),
             ("bootstrap_host", ticket.host == host), ("bootstrap_port", ticket.port == port),
+            ("prompt", ticket.prompt == prompt),
         ) if not ok]
         if wrong:
             raise TicketRefused(403, f"bootstrap_ticket does not cover this request's "

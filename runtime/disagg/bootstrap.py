@@ -2,7 +2,8 @@
 
 GET  /health                 200 while the process is up
 GET  /route                  503 until the KV endpoint is registered; then instance id, layout
-                             and transfer backend (a restarted prefill has a new instance id)
+                             and transfer backend (a restarted prefill has a new instance id);
+                             signed, like every call but /health (runtime/auth/signed.py)
 POST /peers                  a decode server introduces itself (PeerRegistration); 409 when its
                              KV layout or backend cannot work with ours, saying what differs
 POST /rooms                  a decode server's pages for one room (RoomRequest); 404 unknown_peer
@@ -93,7 +94,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
-        elif self.path == "/route":
+        elif self.path == "/route":  # the layout and instance: for this deployment's decodes
+            if not self._authorized(b""):
+                return
             route = self.server.rooms.route()
             if route is None:
                 self._error(503, "the KV endpoint is not registered yet", "not_ready")

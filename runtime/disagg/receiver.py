@@ -2,8 +2,10 @@
 link to.
 
 A link starts with the handshake (handshake.py): the prefill proves the cluster key and its
-instance id, or the link is closed (counted as `bad_link`; at most MAX_UNPROVEN links wait for
-their proof at once). Then one thread per link reads frames in order, each bounded by the pool
+instance id within one deadline, or the link is closed (counted as `bad_link`). At most
+MAX_UNPROVEN links wait for their proof at once; a new link that finds them all taken closes the
+oldest that has waited MIN_WAIT_S, so peers that connect and then dawdle (a slow-loris) cannot
+keep a real prefill, whose proof takes milliseconds, from getting in. Then one thread per link reads frames in order, each bounded by the pool
 (`header_limit`) and checked as it is decoded: a PagesFrame's payload goes into the pool only if
 its room admits it (the room is expected from this link's prefill and names exactly the room's
 pages; else it is read into nothing and counted as `refused_write`), a RoomDone's aux record to
@@ -19,6 +21,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from runtime.auth.key import ClusterKey
@@ -37,7 +40,8 @@ from runtime.disagg.wire import (
 
 log = logging.getLogger(__name__)
 
-MAX_UNPROVEN = 64  # links still in their handshake; more are closed at once
+MAX_UNPROVEN = 64  # links still in their handshake
+MIN_WAIT_S = 0.5  # an unproven link this old may be closed for a newcomer
 
 
 class KVReceiver:
@@ -53,7 +57,7 @@ class KVReceiver:
         self.port: int = self.listener.getsockname()[1]
         self.limit = header_limit(transfer.pool.num_pages, transfer.pool.page_size)
         self.links: dict[socket.socket, str | None] = {}  # -> the proven prefill id
-        self.unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
+        self.unproven: dict[socket.socket, float] = {}  # -> since when; the oldest first
         self.closed = False
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="kv-receiver", daemon=True).start()
@@ -64,14 +68,29 @@ class KVReceiver:
                 sock, peer = self.listener.accept()
             except OSError:
                 return
-            if not self.unproven.acquire(blocking=False):
+            if not self._make_room():
                 self.tally.add("bad_link")
                 sock.close()
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self.links[sock] = None
+                self.unproven[sock] = time.monotonic()
             threading.Thread(target=self._serve, args=(sock, peer), name="kv-link", daemon=True).start()
+
+    def _make_room(self) -> bool:
+        """Whether a new link may wait for its proof: there is room, or the oldest unproven
+        link has waited MIN_WAIT_S and is closed for it (its handshake then fails)."""
+        with self._lock:
+            if len(self.unproven) < MAX_UNPROVEN:
+                return True
+            oldest, since = next(iter(self.unproven.items()))
+            if time.monotonic() - since < MIN_WAIT_S:
+                return False
+            del self.unproven[oldest]
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)
+        return True
 
     def _serve(self, sock: socket.socket, addr: object) -> None:
         try:
@@ -91,7 +110,8 @@ class KVReceiver:
             log.warning("KV link from %s refused: %s", addr, e)
             return None
         finally:
-            self.unproven.release()
+            with self._lock:
+                self.unproven.pop(sock, None)
         with self._lock:
             if sock not in self.links:  # closed meanwhile (close_links, close)
                 return None

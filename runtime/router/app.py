@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from runtime.auth.api_keys import ApiKeyGate, ApiKeys
 from runtime.auth.key import load_cluster_key, warn_if_open
+from runtime.body_limit import BodyLimit
 from runtime.router.config import DnsName, Role, RouterConfig
 from runtime.router.discovery import (
     Discovery,
@@ -41,7 +42,7 @@ from runtime.router.pairing import Pairing
 from runtime.router.pairs import PairTable
 from runtime.router.policy import build_policy, least_loaded
 from runtime.router.proxy import Proxy
-from runtime.router.request import ENDPOINTS, parse_abort, parse_request
+from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request
 from runtime.router.tokenizer import RouterTokenizer
 from runtime.router.workers import Worker, Workers
 from runtime.sse import CLIENT_GONE
@@ -120,8 +121,8 @@ class Router:
 
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
-            req = parse_request(endpoint, await request.body(),
-                                request.headers.get("content-type"))
+            req = await asyncio.to_thread(self._parse, endpoint, await request.body(),
+                                          request.headers.get("content-type"))
             if req.rid in self.exchanges:  # the original keeps running, untouched
                 raise RouterError(409, f"request id {req.rid!r} is already running",
                                   code="rid_in_use", param="rid")
@@ -137,6 +138,13 @@ class Router:
         self.exchanges[req.rid] = exchange
         exchange.on_close = lambda: self.exchanges.__delitem__(req.rid)
         return await exchange.respond(request)
+
+    def _parse(self, endpoint: str, raw: bytes, content_type: str | None) -> RoutedRequest:
+        """In a worker thread, off the event loop: JSON, the request model, the prompt's hash
+        and, for a policy that reads them, its token ids (a long prompt takes seconds to
+        tokenize: on the loop, every stream would stall that long; runtime/tokenizer.py lets
+        the GIL go while it tokenizes)."""
+        return self.pairing.prepare(parse_request(endpoint, raw, content_type))
 
     async def abort(self, request: Request) -> JSONResponse:
         """`POST /abort {"rid"}`: a request of this router's is aborted on its pair (under the
@@ -209,6 +217,7 @@ def create_app(config: RouterConfig, discovery: Discovery | None = None,
 
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=router.api_keys, protect_metrics=config.protect_metrics)
     _add_routes(app, router)
     _add_error_handlers(app)

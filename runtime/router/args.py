@@ -124,6 +124,9 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="keys to require, one per line; read again when it changes")
     p.add_argument("--protect-metrics", action="store_true",
                    help="require a key for /metrics too (/health and /ready stay open)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT.max_body_bytes,
+                   help="a larger request body gets 413 before the rest is read (default: "
+                   f"{DEFAULT.max_body_bytes}, as the workers')")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=DEFAULT.log_level,
                    help=f"(default: {DEFAULT.log_level})")
 
@@ -168,6 +171,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,
         cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
         api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
+        max_body_bytes=ns.max_body_bytes,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime.config import MAX_BODY_BYTES
+
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 DiscoveryMode = Literal["flags", "kubernetes"]
@@ -76,4 +78,5 @@ class RouterConfig:
     api_key: tuple[str, ...] = ()  # required of clients, and presented to the workers
     api_key_file: str | None = None
     protect_metrics: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets 413, as on the workers
     log_level: str = "info"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, TypeGuard
 
 from runtime.auth.key import ClusterKey
@@ -51,13 +52,19 @@ class Pairing:
 
         allowed: Allowed = next((rule for rule in (fresh, healthy)
                                  if any(rule(p, d) for p in prefill for d in decode)), same_kv)
-        ids = prompt_ids(req.parsed, self.tokenizer.get()) if self.policy.wants_ids else None
-        p, d = self.policy.pick(prefill, decode, ids, allowed)
+        p, d = self.policy.pick(prefill, decode, req.ids, allowed)
         # a pair of p's due for its probe gets this request: else a policy that keeps pairing
         # p with another decode would never find out that the pair works again
         d = next((x for x in decode if allowed(p, x) and self.pairs.probe_due(p, x)), d)
         log.debug("%s %s -> prefill %s, decode %s", req.endpoint, req.rid, p.url, d.url)
         return req.signed(self.key, p, d, self.config.ticket_ttl_s), p, d
+
+    def prepare(self, req: RoutedRequest) -> RoutedRequest:
+        """`req` with its prompt's token ids, when the policy reads them: CPU-bound work (a
+        tokenizer, a chat template), which the router does off its event loop."""
+        if not self.policy.wants_ids:
+            return req
+        return replace(req, ids=prompt_ids(req.parsed, self.tokenizer.get()))
 
     def move(self, req: RoutedRequest, source: Worker, move: Mapping[str, Any],
              ) -> tuple[RoutedRequest, Worker] | None:

@@ -20,10 +20,13 @@ from pydantic import ValidationError
 from runtime.auth.key import ClusterKey
 from runtime.auth.ticket import sign
 from runtime.protocol import (
+    PROMPT_FIELDS,
     AbortBody,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateBody,
+    prompt_digest,
+    prompt_hash,
 )
 from runtime.router.errors import RouterError
 from runtime.router.workers import Worker
@@ -51,6 +54,8 @@ class RoutedRequest:
     ticket: str | None = None  # signed for the pair it goes to (`signed`)
     client_rid: str | None = None  # the rid the client chose (/generate), which it sees back
     kv_from: tuple[str, int] | None = None  # a moved stream's KV: the draining decode's bootstrap
+    prompt: str = ""  # runtime.protocol.prompt_hash of the parsed prompt (tickets bind it)
+    ids: list[int] | None = None  # its prompt's token ids, for a policy that reads them
 
     @property
     def rid(self) -> str:
@@ -79,8 +84,13 @@ class RoutedRequest:
         if not key.enabled:
             return self
         ticket = sign(key, self.body["bootstrap_room"], self.rid, prefill.instance_id or "",
-                      host, port, decode.instance_id or "", ttl_s)
+                      host, port, decode.instance_id or "", self.prompt_digest(), ttl_s)
         return replace(self, ticket=ticket)
+
+    def prompt_digest(self) -> str:
+        """What the workers compute from the body they get (runtime.protocol.prompt_digest):
+        the prompt as parsed, and the `resume` this router added, if any."""
+        return prompt_digest({"resume": self.body.get("resume")}, self.prompt)
 
     def for_decode(self, prefill: Worker | None) -> dict[str, Any]:
         """The body for D: its KV comes from `prefill`, or (None) from where `kv_from` says."""
@@ -111,7 +121,8 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> Routed
     body["rid"] = _rid(endpoint, body)
     if body.get("bootstrap_room") is None:  # a room the client chose is kept as is
         body["bootstrap_room"] = new_rooms(choice_count(endpoint, body))
-    return RoutedRequest(endpoint, body, parsed, client_rid=client_rid)
+    hashed = prompt_hash(parsed.model_dump(mode="json", include=set(PROMPT_FIELDS)))
+    return RoutedRequest(endpoint, body, parsed, client_rid=client_rid, prompt=hashed)
 
 
 def parse_abort(raw: bytes, content_type: str | None) -> str:

@@ -14,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.auth.api_keys import ApiKeyGate, ApiKeys
+from runtime.body_limit import BodyLimit
 from runtime.config import ServerArgs
 from runtime.errors import error_body
 from runtime.server import native_api, openai_api
 from runtime.server.errors import ApiError, install_error_handlers
 from runtime.server.metrics import Metrics
-from runtime.server.middleware import BodyLimit, ErrorGuard
+from runtime.server.middleware import ErrorGuard
 from runtime.server.tokenizer_manager import LOADING, TokenizerManager
 from runtime.sse import ClientGone
 

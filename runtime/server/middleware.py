@@ -1,10 +1,9 @@
-"""ASGI middleware of the server: the body-size limit and the error guard."""
+"""ASGI middleware of the server: the error guard (the body limit is runtime/body_limit.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.server.errors import ApiError, error_response
@@ -13,36 +12,6 @@ from runtime.server.metrics import Metrics
 log = logging.getLogger("baton.server")
 
 PROBES = ("/health", "/ready")  # their 503s are answers, not errors
-
-
-class BodyLimit:
-    """A request body over `max_bytes` gets 413 (declared or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            resp = error_response(self._too_large())
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPException(413, self._too_large().message)
-            return msg
-
-        await self.app(scope, limited, send)
-
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"request body is larger than {self.max_bytes} bytes",
-                        code="body_too_large")
 
 
 class ErrorGuard:

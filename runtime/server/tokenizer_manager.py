@@ -170,7 +170,8 @@ class TokenizerManager:
         if self.tickets.required:
             me = self.info.instance_id if self.info is not None else None
             self.tickets.admit(body.bootstrap_ticket, [r for r in rooms if r is not None],
-                               body.rid, body.bootstrap_host, body.bootstrap_port, me)
+                               body.rid, body.bootstrap_host, body.bootstrap_port, me,
+                               body.prompt_digest())
         return rooms
 
     def local_prefill(self, body: Bootstrap) -> bool:

@@ -11,6 +11,7 @@ import pytest
 
 from runtime.auth.key import ClusterKey, KeyProblem, ReplayCache, load_cluster_key
 from runtime.auth.ticket import TicketGate, TicketRefused, sign
+from runtime.protocol import prompt_digest
 
 
 def test_file_wins_over_env_and_short_or_missing_keys_are_clear_errors(tmp_path: Path) -> None:
@@ -44,17 +45,29 @@ def test_replay_cache_takes_a_token_once_and_forgets_it_when_expired() -> None:
 
 def test_gate_checks_deadline_fields_and_side() -> None:
     k = ClusterKey(b"k" * 32)
-    token = sign(k, [5, 6], "rid", "P", "10.0.0.1", 8998, "D", ttl_s=60)
+    a, b = prompt_digest({"text": "prompt A"}), prompt_digest({"text": "prompt B"})
+    token = sign(k, [5, 6], "rid", "P", "10.0.0.1", 8998, "D", a, ttl_s=60)
     gate = TicketGate(k, "decode")
-    gate.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "D")
+    with pytest.raises(TicketRefused, match="cover this request's prompt"):
+        gate.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "D", b)
+    gate.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "D", a)
     with pytest.raises(TicketRefused, match="used before"):
-        gate.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "D")
+        gate.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "D", a)
     fresh = TicketGate(k, "prefill")
     with pytest.raises(TicketRefused, match="expired"):
-        fresh.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "P", now=10**10)
+        fresh.admit(token, [5, 6], "rid", "10.0.0.1", 8998, "P", a, now=10**10)
     with pytest.raises(TicketRefused, match="bootstrap_room, bootstrap_host"):
-        fresh.admit(token, [6, 5], "rid", "10.0.0.2", 8998, "P")
-    TicketGate(ClusterKey.none(), "decode").admit(None, [1], None, None, None, None)  # no key
+        fresh.admit(token, [6, 5], "rid", "10.0.0.2", 8998, "P", a)
+    TicketGate(ClusterKey.none(), "decode").admit(None, [1], None, None, None, None, b)  # no key
+
+
+def test_the_prompt_digest_sees_every_prompt_field_and_the_resume() -> None:
+    base = prompt_digest({"input_ids": [1, 2, 3]})
+    assert base == prompt_digest({"input_ids": [1, 2, 3], "text": None, "sampling_params": {"x": 1}})
+    others = [{"input_ids": [1, 2, 4]}, {"text": "[1, 2, 3]"}, {"prompt": [1, 2, 3]},
+              {"input_ids": [1, 2, 3], "resume": {"output_ids": [9], "text_chars": 1}},
+              {"messages": [{"role": "user", "content": "hi"}]}]
+    assert len({base, *(prompt_digest(o) for o in others)}) == 1 + len(others)
 
 
 def test_serve_and_router_refuse_a_bad_key_file_at_start(tmp_path: Path) -> None:

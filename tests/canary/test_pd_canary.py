@@ -55,10 +55,12 @@ def injections(srv_url: str) -> dict[str, float]:
 def bodies_for(pair: Pair, n: int, seed: int, shared: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     stem = [rng.randrange(100, 40000) for _ in range(shared)]
-    return [{"input_ids": stem + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 40))],
-             "stream": i % 2 == 0, **pair.fields(rng.getrandbits(63)),
+    prompts = [stem + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 40))]
+               for _ in range(n)]
+    return [{"input_ids": p, "stream": i % 2 == 0,
+             **pair.fields(rng.getrandbits(63), prompt={"input_ids": p}),
              "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
-            for i in range(n)]
+            for i, p in enumerate(prompts)]
 
 
 # every call holds two connections, and a decode's call waits for its prefill's: a pool
@@ -142,7 +144,7 @@ def test_clean_requests_with_shared_prefixes_repeats_and_aborts_raise_nothing(
     bodies: list[dict[str, Any]] = []
     results: list[tuple[httpx.Response, Any]] = []
     for start in range(0, len(prompts), 100):  # room tickets signed as each wave goes out
-        batch = [{"input_ids": p, "stream": i % 2 == 0, **clean.fields(),
+        batch = [{"input_ids": p, "stream": i % 2 == 0, **clean.fields(prompt={"input_ids": p}),
                   "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
                  for i, p in enumerate(prompts[start:start + 100])]
         bodies += batch

@@ -95,7 +95,7 @@ def colocated_outputs(srv: ServerProcess, batch: list[list[int]]) -> list[list[i
 
 def pd_outputs(pair: Pair, batch: list[list[int]]) -> list[list[int]]:
     async def one(http: httpx.AsyncClient, i: int, ids: list[int]) -> list[int]:
-        body = {"input_ids": ids, "stream": i % 2 == 0, **pair.fields(),
+        body = {"input_ids": ids, "stream": i % 2 == 0, **pair.fields(prompt={"input_ids": ids}),
                 "sampling_params": sampling()}
         prefill, decoded = await pd_call(http, pair, "/generate", body)
         assert prefill.status_code == 200, prefill.text

@@ -17,6 +17,7 @@ import httpx
 
 from runtime.auth.key import ENV, ClusterKey
 from runtime.auth.ticket import sign
+from runtime.protocol import prompt_digest
 from tests.server.server_process import ServerProcess, free_port
 
 
@@ -38,8 +39,9 @@ class Pair:
         return {ENV: self.key} if self.key else {}
 
     def fields(self, room: int | list[int] | None = None, rid: str | None = None,
-               bootstrap_port: int | None = None) -> dict[str, Any]:
-        """The bootstrap fields the router would add, its room ticket included."""
+               bootstrap_port: int | None = None, *, prompt: dict[str, Any]) -> dict[str, Any]:
+        """The bootstrap fields the router would add, its room ticket included (which binds
+        the request's `prompt`: its text or input_ids)."""
         rid = rid or secrets.token_hex(8)
         room = secrets.randbits(63) if room is None else room
         port = bootstrap_port or self.bootstrap_port
@@ -48,7 +50,7 @@ class Pair:
         if self.key:
             out["bootstrap_ticket"] = sign(
                 ClusterKey(self.key.encode()), room, rid, instance_id(self.prefill), "127.0.0.1",
-                port, instance_id(self.decode))
+                port, instance_id(self.decode), prompt_digest(prompt))
         return out
 
 

@@ -237,6 +237,41 @@ def test_too_many_unproven_links_are_closed(rx: Receiver) -> None:
         eventually(lambda: not rx.receiver.failed.empty())
 
 
+def test_a_handshake_has_one_deadline_however_slowly_its_bytes_come(
+        rx: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that sends a byte every 0.3 s is cut off when the whole handshake's deadline
+    passes, not given a fresh timeout per byte (a proof is ~100 bytes: ~30 s)."""
+    import runtime.disagg.handshake as handshake
+
+    monkeypatch.setattr(handshake, "TIMEOUT_S", 1.0)
+    sock = socket.create_connection(("127.0.0.1", rx.receiver.port), timeout=5)
+    sock.recv(64)  # the HELLO
+    began = time.monotonic()
+    sock.sendall(bytes([60]))  # a prefill id of 60 bytes follows... slowly
+    with pytest.raises(OSError):
+        while time.monotonic() - began < 4:
+            time.sleep(0.3)
+            sock.sendall(b"p")
+    assert time.monotonic() - began < 2.5
+    eventually(lambda: rx.count("bad_link") == 1)
+    sock.close()
+
+
+def test_slow_peers_cannot_keep_a_prefill_out(rx: Receiver) -> None:
+    """Every unproven slot taken by peers that connect and say nothing: a real prefill still
+    gets in (the oldest idler is closed for it) and its link works."""
+    from runtime.disagg.receiver import MAX_UNPROVEN, MIN_WAIT_S
+
+    idle = [socket.create_connection(("127.0.0.1", rx.receiver.port)) for _ in range(MAX_UNPROVEN)]
+    time.sleep(MIN_WAIT_S + 0.2)
+    with rx.link() as sock:
+        send_frame(sock, RoomFailed(9, "fine"))
+        eventually(lambda: not rx.receiver.failed.empty())
+    assert rx.count("bad_link") >= 1  # an idler made room
+    for s in idle:
+        s.close()
+
+
 INTS = st.integers(-2**63, 2**64 - 1)  # what msgpack can carry
 
 

@@ -44,7 +44,7 @@ def key(pair: Pair) -> ClusterKey:
 
 def body(pair: Pair, **fields: Any) -> dict[str, Any]:
     return {"text": "Hello there", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            **pair.fields(), **fields}
+            **pair.fields(prompt={"text": "Hello there"}), **fields}
 
 
 def refused(r: httpx.Response, status: int, code: str) -> None:
@@ -87,6 +87,10 @@ def test_bad_tickets_are_refused_and_allocate_nothing(pair: Pair, side: str) -> 
         "another room": ({**b, "bootstrap_room": b["bootstrap_room"] ^ 1}, 403, "ticket_mismatch"),
         "another rid": ({**b, "rid": "someone-else"}, 403, "ticket_mismatch"),
         "another port": ({**b, "bootstrap_port": 1}, 403, "ticket_mismatch"),
+        # one unused ticket, prompt A to one side and B to the other: B answered with A's KV
+        "another prompt": ({**b, "text": "Goodbye there"}, 403, "ticket_mismatch"),
+        "ids for text": ({**b, "text": None, "input_ids": [19556, 612]}, 403, "ticket_mismatch"),
+        "a resume": ({**b, "resume": {"output_ids": [42], "text_chars": 1}}, 403, "ticket_mismatch"),
         "another instance": ({**b, "bootstrap_ticket": _resign(
             ticket, key(pair), **{side: "baton-someone-else"})}, 403, "ticket_other_instance"),
     }
@@ -156,7 +160,8 @@ def signed(pair: Pair, method: str, path: str, payload: dict[str, Any] | None,
 
 
 def registration(pair: Pair, decode_id: str) -> dict[str, Any]:
-    layout = httpx.get(f"{boot(pair)}/route").json()["layout"]
+    headers = signed(pair, "GET", "/route", None)[1]
+    layout = httpx.get(f"{boot(pair)}/route", headers=headers).json()["layout"]
     return {"decode_id": decode_id, "receiver_host": "127.0.0.1", "receiver_port": 9,
             "layout": layout, "backend": "tcp"}
 
@@ -167,7 +172,7 @@ def test_bootstrap_calls_must_be_signed_by_this_deployment(pair: Pair) -> None:
     room = {"room": 5, "decode_id": "baton-decode-fake", "rid": "x", "prompt_len": 3,
             "dst_pages": [0]}
     for method, path, payload in (("POST", "/peers", peer), ("POST", "/rooms", room),
-                                  ("DELETE", "/rooms/5", None)):
+                                  ("DELETE", "/rooms/5", None), ("GET", "/route", None)):
         raw = json.dumps(payload).encode() if payload else b""
         r = httpx.request(method, f"{boot(pair)}{path}", content=raw)
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
@@ -183,9 +188,9 @@ def test_bootstrap_calls_must_be_signed_by_this_deployment(pair: Pair) -> None:
     raw, headers = signed(pair, "DELETE", "/rooms/5", None)
     moved = httpx.delete(f"{boot(pair)}/rooms/6", headers=headers)
     assert moved.status_code == 403, moved.text
-    # 2 refused calls of each of the 3 kinds, the replay and the moved call
+    # 2 refused calls of each of the 4 kinds, the replay and the moved call
     eventually(lambda: metric(pair.prefill.url, 'baton_kv_plane_events_total{kind="bad_call"}')
-               >= before + 8)
+               >= before + 10)
     nothing_held(pair)
 
 
@@ -210,7 +215,7 @@ def test_bootstrap_bodies_are_typed_and_bounded(pair: Pair) -> None:
     r = httpx.post(f"{boot(pair)}/rooms", content=raw, headers=headers)
     assert r.status_code == 401 and r.json()["error"]["code"] == "ticket_required", r.text
     ticket = sign(key(pair), 7, "x", instance_id(pair.prefill), "127.0.0.1", pair.bootstrap_port,
-                  instance_id(pair.decode))  # the real decode's, not this caller's
+                  instance_id(pair.decode), "")  # the real decode's, not this caller's
     raw, headers = signed(pair, "POST", "/rooms", {**room, "ticket": ticket})
     r = httpx.post(f"{boot(pair)}/rooms", content=raw, headers=headers)
     assert r.status_code == 403 and r.json()["error"]["code"] == "ticket_mismatch", r.text
@@ -231,7 +236,7 @@ def test_a_nixl_prefill_hands_no_pool_metadata(tiny_path: Path, tmp_path: Path) 
 
     p = start_pair(tmp_path, "nixl", *FAST, model=str(tiny_path))
     try:
-        layout = httpx.get(f"{boot(p)}/route").json()["layout"]
+        layout = httpx.get(f"{boot(p)}/route", headers=signed(p, "GET", "/route", None)[1]).json()["layout"]
         pool = KVPool(layout["num_layers"], 4, layout["page_size"], layout["num_kv_heads"],
                       layout["head_dim"], getattr(torch, layout["dtype"]))
         agent = create_transfer("nixl", pool, "baton-decode-test-agent")

@@ -25,7 +25,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def body(ids: list[int], pair: Pair, stream: bool) -> dict[str, Any]:
-    return {"input_ids": ids, "stream": stream, **pair.fields(),
+    return {"input_ids": ids, "stream": stream, **pair.fields(prompt={"input_ids": ids}),
             "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}}
 
 
@@ -102,7 +102,7 @@ def test_multi_turn_chats_through_pd_equal_colocated(
     async def turn() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=120) as http:
             results = await asyncio.gather(*[pd_call(http, pair, "/generate", {
-                "input_ids": ids, "sampling_params": params, **pair.fields()})
+                "input_ids": ids, "sampling_params": params, **pair.fields(prompt={"input_ids": ids})})
                 for ids in histories])
         return [decoded for _, decoded in results]
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +49,7 @@ def metric(url: str, name: str) -> float:
 
 def gen_body(pair: Pair, room: int | None = None, max_new: int = 8, **kw: Any) -> dict[str, Any]:
     return {"text": "Hello there, how are", "sampling_params": {"temperature": 0,
-            "max_new_tokens": max_new, "ignore_eos": True}, **pair.fields(room), **kw}
+            "max_new_tokens": max_new, "ignore_eos": True}, **pair.fields(room, prompt={"text": "Hello there, how are"}), **kw}
 
 
 def _text(url: str) -> str:
@@ -94,7 +97,7 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
             waiting = asyncio.ensure_future(http.post(f"{pair.decode.url}/generate", json=body))
             await rooms_in(pair.decode.url, "waiting_for_input", 1)
             again = await http.post(f"{pair.decode.url}/generate", json={
-                **body, **pair.fields(body["bootstrap_room"], rid="other")})
+                **body, **pair.fields(body["bootstrap_room"], rid="other", prompt=body)})
             p_first = await http.post(f"{pair.prefill.url}/generate", json=body)
             return again, p_first, await waiting
     again, p_first, done = asyncio.run(dup())
@@ -110,7 +113,7 @@ def test_works_then_missing_or_duplicate_bootstrap_fields_are_4xx(shared: Pair) 
             first = asyncio.ensure_future(http.post(f"{pair.prefill.url}/generate", json=body))
             await rooms_in(pair.prefill.url, "bootstrapping", 1)
             again = await http.post(f"{pair.prefill.url}/generate", json={
-                **body, **pair.fields(body["bootstrap_room"], rid="x2")})
+                **body, **pair.fields(body["bootstrap_room"], rid="x2", prompt=body)})
             done = await http.post(f"{pair.decode.url}/generate", json=body)
             return [again, await first, done]
     again, first, done = asyncio.run(twice())
@@ -159,6 +162,54 @@ def test_prefill_killed_while_rooms_wait_then_a_restarted_prefill_is_found(
     prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
     assert prefill.status_code == 200, prefill.text
     assert len(decoded["output_ids"]) == 8
+
+
+class SlowLoris:
+    """`n` connections to a KV port that each start a handshake and then send one byte every
+    `every_s`, connecting again whenever the receiver closes one: they hold what unproven
+    links may hold for as long as the test runs."""
+
+    def __init__(self, port: int, n: int, every_s: float = 4.0) -> None:
+        self.port, self.every_s, self.stop = port, every_s, threading.Event()
+        self.threads = [threading.Thread(target=self._one, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+                    sock.sendall(bytes([60]))  # a 60-byte prefill id follows, one byte at a time
+                    while not self.stop.wait(self.every_s):
+                        sock.sendall(b"p")
+            except OSError:  # closed on us: again
+                self.stop.wait(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+
+def test_slow_loris_kv_links_do_not_lock_out_a_restarted_prefill(
+        pair: Pair, tiny_path: Path, tmp_path: Path) -> None:
+    """128 slow connections to the decode's KV port (twice what may wait for a proof): a
+    restarted prefill, which must open a new link, still gets its requests through."""
+    prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+    assert prefill.status_code == 200, prefill.text
+    port = int(re.search(r"KV receiver on [\d.]+:(\d+)", pair.decode.log()).group(1))  # type: ignore[union-attr]
+    loris = SlowLoris(port, 128)
+    try:
+        time.sleep(1.0)  # every slot taken
+        pair.prefill.kill()
+        restart_prefill(pair, tmp_path, "tcp", *FAST, model=str(tiny_path))
+        for _ in range(4):
+            prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
+            assert prefill.status_code == 200, prefill.text
+            assert len(decoded["output_ids"]) == 8
+    finally:
+        loris.close()
+    eventually(lambda: kv_free(pair.decode.url) and kv_free(pair.prefill.url))
 
 
 def test_decode_killed_prefill_frees_its_pages(pair: Pair) -> None:

@@ -36,7 +36,7 @@ def bodies_for(pair: Pair, n: int, seed: int, max_prompt: int = 90) -> list[dict
     bodies = []
     for i in range(n):
         prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(1, max_prompt))]
-        bodies.append({"input_ids": prompt, "stream": i % 2 == 0, **pair.fields(rng.getrandbits(63)),
+        bodies.append({"input_ids": prompt, "stream": i % 2 == 0, **pair.fields(rng.getrandbits(63), prompt={"input_ids": prompt}),
                        "sampling_params": {"max_new_tokens": rng.randrange(1, 24), "ignore_eos": True}})
     return bodies
 

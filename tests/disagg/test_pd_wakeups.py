@@ -29,7 +29,7 @@ def pair(request: pytest.FixtureRequest, tiny_path: Path,
 
 
 def body(pair: Pair, stream: bool) -> dict[str, object]:
-    return {"text": "Hello there, how are", "stream": stream, **pair.fields(),
+    return {"text": "Hello there, how are", "stream": stream, **pair.fields(prompt={"text": "Hello there, how are"}),
             "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
 
 

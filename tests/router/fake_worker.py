@@ -8,6 +8,7 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `hang`: answer nothing until the request is aborted through /abort (then finish "abort");
 - `chunks`: stream this many content events (default 3);
 - `gated`: before each event after the first, wait until the test calls `release()`;
+- `every_s`: wait this long before each event after the first (a steady stream);
 - `die_after`: drop the connection after this many events (no [DONE]);
 - `error_after`: after this many events, an in-band error event, then [DONE];
 - `move_after` with `move` (bootstrap host, port, room): after this many events, the error
@@ -168,6 +169,8 @@ class FakeWorker:
         for i in range(start, chunks):
             if i > start and steer.get("gated"):
                 await self._wait_gate()
+            if i > start and steer.get("every_s"):
+                await asyncio.sleep(steer["every_s"])
             if steer.get("die_after") == i:
                 raise ConnectionResetError("fake worker dies mid-stream")
             if steer.get("error_after") == i:  # as a worker whose scheduler failed mid-stream
