@@ -27,6 +27,7 @@ import pytest
 
 from runtime.auth.key import ENV, ClusterKey
 from runtime.auth.ticket import sign
+from runtime.protocol import prompt_digest
 from tests.disagg.partition import Partition
 from tests.disagg.pd import instance_id, tiny_model
 from tests.disagg.test_pd_failures import eventually, kv_free, metric
@@ -58,7 +59,8 @@ class Trio:
         """What the router sends for a (prefill, D) pair, its signed room ticket included."""
         rid = f"r{room}"
         ticket = sign(ClusterKey(self.key.encode()), room, rid, instance_id(prefill),
-                      "127.0.0.1", bootstrap_port, instance_id(self.d))
+                      "127.0.0.1", bootstrap_port, instance_id(self.d),
+                      prompt_digest({"text": text}))
         return {"text": text, "rid": rid, "stream": stream, "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": bootstrap_port, "bootstrap_room": room,
                 "bootstrap_ticket": ticket, "sampling_params": {
