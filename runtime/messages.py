@@ -44,6 +44,7 @@ class GenerateRequest:
     bootstrap_ticket: str | None = None  # verified by the HTTP process
     allow_kv_move: bool = False  # its client can follow it to another decode (a router)
     resumed_outputs: int = 0  # a resumed stream: the last input ids it had generated already
+    cache_salt: str | None = None  # the prefix cache's namespace (runtime/kvcache/radix.py)
 
 
 @dataclass

@@ -90,6 +90,9 @@ class Bootstrap(_Strict):
     # a one-choice stream whose client follows it (a router): a draining decode may move it,
     # KV and all, to another decode, ending it with where it went (docs/router.md "Migration")
     allow_kv_move: bool = False
+    # the prefix cache's namespace (vLLM's and sglang's field): KV is shared only among requests
+    # of one salt; a router with API keys sets it per key (runtime/router/tenants.py)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     def prompt_digest(self) -> str:
         return prompt_digest(self.model_dump(mode="json", include={*PROMPT_FIELDS, "resume"}))

@@ -70,10 +70,8 @@ class ApiKeys:
         keys = self.keys()
         if not self.enabled:
             return True
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = ""
-        matches = [hmac.compare_digest(given.strip().encode(), k.encode()) for k in keys]
+        given = bearer(authorization).encode("utf-8", "surrogatepass")
+        matches = [hmac.compare_digest(given, k.encode()) for k in keys]
         return any(matches)
 
     def _reload(self, force: bool = False) -> None:
@@ -106,6 +104,12 @@ class ApiKeys:
                     "its keys are void (the other keys still hold)" if self.fixed else
                     "there is no valid API key, so every request but the probes is refused (401) "
                     "until the file holds one")
+
+
+def bearer(authorization: str | None) -> str:
+    """The key an `Authorization: Bearer KEY` header carries ("" for any other header)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else ""
 
 
 class ApiKeyGate:

@@ -29,6 +29,7 @@ class KVHolder(Protocol):
     kv_len: int
     computed_len: int  # positions whose KV a finished forward wrote
     cache_node: Any  # the prefix-cache node it locks (None: none)
+    cache_salt: str | None  # the prefix cache's namespace (runtime/kvcache/radix.py)
 
     @property
     def fill_ids(self) -> list[int]: ...
@@ -70,7 +71,7 @@ class KVCacheManager:
             return 0
         tokens = req.fill_ids
         usable = (len(tokens) - 1) // self.page_size * self.page_size
-        pages, node = self.cache.match(tokens[:usable])
+        pages, node = self.cache.match(tokens[:usable], req.cache_salt)
         if not pages:
             return 0
         self.cache.lock(node)
@@ -100,8 +101,8 @@ class KVCacheManager:
             return
         full = req.computed_len // self.page_size
         node, _ = self.cache.insert(req.fill_ids[:full * self.page_size], req.kv_pages[:full],
-                                    stop_at_duplicate=True)
-        if node is req.cache_node or node is self.cache.root:
+                                    salt=req.cache_salt, stop_at_duplicate=True)
+        if node is req.cache_node or node.parent is None:  # (None: nothing new went in)
             return
         self.cache.lock(node)
         if req.cache_node is not None:
@@ -151,7 +152,8 @@ class KVCacheManager:
         pages, req.kv_pages = req.kv_pages, []
         if self.cache is not None and pages:
             full = min(req.computed_len // self.page_size, len(pages))
-            _, dups = self.cache.insert(req.fill_ids[:full * self.page_size], pages[:full])
+            _, dups = self.cache.insert(req.fill_ids[:full * self.page_size], pages[:full],
+                                        salt=req.cache_salt)
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
             pages = dups + pages[full:]
@@ -168,7 +170,7 @@ class KVCacheManager:
         is suspect (the KV canary caught it). Pages the cache held already stay there."""
         held = 0
         node = req.cache_node
-        while self.cache is not None and node is not None and node is not self.cache.root:
+        while node is not None and node.parent is not None:
             held, node = held + 1, node.parent
         req.computed_len = held * self.page_size  # release re-inserts those: nothing new
         self.release(req)

@@ -14,6 +14,11 @@ an unlocked node has no locked descendant, so every unlocked node can go, leaf b
 
 Each node carries a block hash: blake2b chained over its parent's hash and its token ids (8
 bytes), the name the KV events and the router's index use for it.
+
+A request's `cache_salt` (vLLM's and sglang's field; the router sets one per API key) puts its
+pages under a root of that salt's own, whose hash is the salt's: requests share KV only with
+requests of the same salt, and block hashes are per salt too (KV events, the router's index), so
+neither a cache hit, a prefill's speed nor a hash tells one tenant what another one sent.
 """
 
 from __future__ import annotations
@@ -37,9 +42,17 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def block_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
-    """The hash of each full page of `tokens`, chained from the root."""
-    out, parent = [], ROOT_HASH
+def root_hash(salt: str | None) -> int:
+    """The hash the pages of requests with cache salt `salt` chain from (ROOT_HASH: none)."""
+    if salt is None:
+        return ROOT_HASH
+    h = blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"baton-salt")
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def block_hashes(tokens: Sequence[int], page_size: int, salt: str | None = None) -> list[int]:
+    """The hash of each full page of `tokens`, chained from the root of `salt`."""
+    out, parent = [], root_hash(salt)
     for start in range(0, len(tokens) - page_size + 1, page_size):
         parent = block_hash(parent, tokens[start:start + page_size])
         out.append(parent)
@@ -55,6 +68,7 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    salt: str | None = None  # a root's: the cache salt of everything under it
 
 
 @dataclass
@@ -67,8 +81,8 @@ class CacheStats:
 class RadixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = Node(key=(), page=-1, parent=None)
-        self.root.lock_ref = 1  # never evicted
+        self.root = self._new_root(None)  # requests without a salt
+        self.roots: dict[str | None, Node] = {None: self.root}  # one per salt in use
         self.cached_pages = 0  # nodes in the tree (root excluded)
         self.evictable_pages = 0  # of those, unlocked
         self.stats = CacheStats()
@@ -78,9 +92,10 @@ class RadixCache:
         self._clock = itertools.count(1)
 
     # ---- lookups ----------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
-        """The pages of the longest cached prefix of `tokens` (full pages only) and its node."""
-        node, pages, now = self.root, [], next(self._clock)
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> tuple[list[int], Node]:
+        """The pages of the longest cached prefix of `tokens` (full pages only) among the
+        requests of `salt`, and its node (a root when there is none)."""
+        node, pages, now = self.roots.get(salt, self.root), [], next(self._clock)
         ps = self.page_size
         for start in range(0, len(tokens) - ps + 1, ps):
             child = node.children.get(tuple(tokens[start:start + ps]))
@@ -93,7 +108,7 @@ class RadixCache:
 
     # ---- references -------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_pages -= 1
             node.lock_ref += 1
@@ -101,7 +116,7 @@ class RadixCache:
 
     def unlock(self, node: Node) -> None:
         now = next(self._clock)
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref < 0:
                 raise RuntimeError("radix cache: a node unlocked more often than locked")
@@ -111,15 +126,17 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     # ---- insertion --------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], *,
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], *, salt: str | None = None,
                stop_at_duplicate: bool = False) -> tuple[Node, list[int]]:
-        """Put the full pages of `tokens`, held in `pages`, into the tree.
+        """Put the full pages of `tokens`, held in `pages`, into the tree under `salt`'s root.
 
         Returns the deepest node reached and the duplicates: pages of `pages` whose tokens the
         tree already held in another page (the caller frees them). With `stop_at_duplicate` it
         stops before the first duplicate instead (the caller still reads those pages)."""
-        node, dups, now = self.root, [], next(self._clock)
-        ps = self.page_size
+        if len(tokens) < self.page_size:
+            return self.roots.get(salt, self.root), []
+        node = self.roots.get(salt) or self.roots.setdefault(salt, self._new_root(salt))
+        dups, now, ps = [], next(self._clock), self.page_size
         for i, start in enumerate(range(0, len(tokens) - ps + 1, ps)):
             key = tuple(tokens[start:start + ps])
             child = node.children.get(key)
@@ -159,8 +176,10 @@ class RadixCache:
                 self.events.append([REMOVED, leaf.hash])
             self.cached_pages -= 1
             self.evictable_pages -= 1
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(tick), parent))
+            elif parent.parent is None and parent.salt is not None and not parent.children:
+                del self.roots[parent.salt]  # a salt with nothing cached keeps no root
         self.stats.evicted_tokens += len(freed) * self.page_size
         return freed
 
@@ -169,12 +188,18 @@ class RadixCache:
         return self.evict(self.evictable_pages)
 
     def _nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [n for root in self.roots.values() for n in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+    @staticmethod
+    def _new_root(salt: str | None) -> Node:
+        root = Node(key=(), page=-1, parent=None, hash=root_hash(salt), salt=salt)
+        root.lock_ref = 1  # never evicted
+        return root
 
     def take_events(self) -> list[list[int]]:
         """What was stored and removed since the last call, in order."""

@@ -43,6 +43,7 @@ from runtime.router.pairs import PairTable
 from runtime.router.policy import build_policy, least_loaded
 from runtime.router.proxy import Proxy
 from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request
+from runtime.router.tenants import TenantSalts
 from runtime.router.tokenizer import RouterTokenizer
 from runtime.router.workers import Worker, Workers
 from runtime.sse import CLIENT_GONE
@@ -78,6 +79,7 @@ class Router:
         warn_if_open(self.key, "the router (its workers take unsigned rooms)")
         self.pairing = Pairing(config, self.workers, self.pairs, self.policy, self.tokenizer,
                                self.key, self.metrics)
+        self.salts = TenantSalts(self.api_keys, self.key)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -122,7 +124,8 @@ class Router:
     async def generate(self, request: Request, endpoint: str) -> Response:
         try:
             req = await asyncio.to_thread(self._parse, endpoint, await request.body(),
-                                          request.headers.get("content-type"))
+                                          request.headers.get("content-type"),
+                                          request.headers.get("authorization"))
             if req.rid in self.exchanges:  # the original keeps running, untouched
                 raise RouterError(409, f"request id {req.rid!r} is already running",
                                   code="rid_in_use", param="rid")
@@ -139,12 +142,17 @@ class Router:
         exchange.on_close = lambda: self.exchanges.__delitem__(req.rid)
         return await exchange.respond(request)
 
-    def _parse(self, endpoint: str, raw: bytes, content_type: str | None) -> RoutedRequest:
-        """In a worker thread, off the event loop: JSON, the request model, the prompt's hash
-        and, for a policy that reads them, its token ids (a long prompt takes seconds to
-        tokenize: on the loop, every stream would stall that long; runtime/tokenizer.py lets
-        the GIL go while it tokenizes)."""
-        return self.pairing.prepare(parse_request(endpoint, raw, content_type))
+    def _parse(self, endpoint: str, raw: bytes, content_type: str | None,
+               authorization: str | None) -> RoutedRequest:
+        """In a worker thread, off the event loop: JSON, the request model, the prompt's hash,
+        its tenant's cache salt and, for a policy that reads them, its token ids (a long prompt
+        takes seconds to tokenize: on the loop, every stream would stall that long;
+        runtime/tokenizer.py lets the GIL go while it tokenizes)."""
+        req = parse_request(endpoint, raw, content_type)
+        salt = self.salts.salt(authorization, req.parsed.cache_salt)
+        if salt is not None:
+            req.body["cache_salt"] = salt
+        return self.pairing.prepare(req)
 
     async def abort(self, request: Request) -> JSONResponse:
         """`POST /abort {"rid"}`: a request of this router's is aborted on its pair (under the

@@ -7,8 +7,9 @@ drops what we knew of it, and the follower reconnects with a backoff; the new sn
 truth again. A worker that keeps no cache (503 `no_kv_events`) is asked again rarely.
 
 Block hashes are `runtime.kvcache.radix.block_hashes` of the prompt's token ids at the
-worker's page size: the same function on both sides, so a prompt's k-th hash is in a worker's
-set exactly when that worker holds the KV of the prompt's first k pages.
+worker's page size, from the root of the request's cache salt: the same function on both sides,
+so a prompt's k-th hash is in a worker's set exactly when that worker holds the KV of the
+prompt's first k pages for requests of that salt.
 """
 
 from __future__ import annotations
@@ -49,14 +50,14 @@ class KVIndex:
         self.pending: dict[str, dict[int, float]] = {}
         self.pending_s = pending_s
 
-    def expect(self, url: str, ids: Sequence[int]) -> None:
+    def expect(self, url: str, ids: Sequence[int], salt: str | None = None) -> None:
         """A request with these prompt ids was just routed to `url`."""
         known = self.workers.get(url)
         if known is None:
             return
         until = time.monotonic() + self.pending_s
         pending = self.pending.setdefault(url, {})
-        for h in block_hashes(ids, known.page_size):
+        for h in block_hashes(ids, known.page_size, salt):
             pending[h] = until
 
     def apply(self, url: str, event: dict[str, object]) -> None:
@@ -89,14 +90,14 @@ class KVIndex:
         self.workers.pop(url, None)
         self.pending.pop(url, None)
 
-    def cached_tokens(self, url: str, ids: Sequence[int]) -> int:
+    def cached_tokens(self, url: str, ids: Sequence[int], salt: str | None = None) -> int:
         """How many leading tokens of `ids` the worker at `url` holds KV for, or will once the
         requests just routed there are prefilled (full pages)."""
         known = self.workers.get(url)
         if known is None:
             return 0
         pending, now, matched = self.pending.get(url, {}), time.monotonic(), 0
-        for h in block_hashes(ids, known.page_size):
+        for h in block_hashes(ids, known.page_size, salt):
             if h not in known.blocks and pending.get(h, 0.0) < now:
                 break
             matched += 1

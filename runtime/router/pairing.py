@@ -52,7 +52,7 @@ class Pairing:
 
         allowed: Allowed = next((rule for rule in (fresh, healthy)
                                  if any(rule(p, d) for p in prefill for d in decode)), same_kv)
-        p, d = self.policy.pick(prefill, decode, req.ids, allowed)
+        p, d = self.policy.pick(prefill, decode, req.ids, allowed, req.body.get("cache_salt"))
         # a pair of p's due for its probe gets this request: else a policy that keeps pairing
         # p with another decode would never find out that the pair works again
         d = next((x for x in decode if allowed(p, x) and self.pairs.probe_due(p, x)), d)

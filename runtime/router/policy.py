@@ -1,7 +1,8 @@
 """Choosing the (prefill, decode) pair for a request: round_robin | least_load | cache_aware.
 
 A policy sees only ready workers that have a partner (`Workers.pairable`, never an empty list)
-and, when it `wants_ids`, the request's prompt token ids (None when the router cannot tell them);
+and, when it `wants_ids`, the request's prompt token ids (None when the router cannot tell them)
+and its cache salt (the prefix cache's namespace: KV is reused only within one);
 it picks a prefill that has an allowed partner, then a decode among its allowed partners (the
 same KV layout and backend, a pair not quarantined, not one a retry avoids). It must not block.
 """
@@ -27,18 +28,20 @@ class Policy(ABC):
 
     def pick(
         self, prefill: Sequence[Worker], decode: Sequence[Worker], ids: list[int] | None = None,
-        allowed: Allowed = same_kv,
+        allowed: Allowed = same_kv, salt: str | None = None,
     ) -> tuple[Worker, Worker]:
         """A prefill that has an allowed partner, then one of its allowed partners (the
         caller makes sure there is one)."""
-        p = self.pick_prefill([w for w in prefill if any(allowed(w, d) for d in decode)], ids)
+        p = self.pick_prefill([w for w in prefill if any(allowed(w, d) for d in decode)], ids,
+                              salt)
         d = self.pick_decode([w for w in decode if allowed(p, w)])
         p.picks += 1
         d.picks += 1
         return p, d
 
     @abstractmethod
-    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker: ...
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None,
+                     salt: str | None = None) -> Worker: ...
 
     @abstractmethod
     def pick_decode(self, workers: Sequence[Worker]) -> Worker: ...
@@ -60,7 +63,8 @@ class RoundRobin(Policy):
         self.cursor[role] += 1
         return worker
 
-    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None,
+                     salt: str | None = None) -> Worker:
         return self._next("prefill", workers)
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:
@@ -68,7 +72,8 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None,
+                     salt: str | None = None) -> Worker:
         return least_loaded(workers)
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:
@@ -87,16 +92,17 @@ class CacheAware(Policy):
         self.index = index
         self.load_tokens = load_tokens
 
-    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None) -> Worker:
+    def pick_prefill(self, workers: Sequence[Worker], ids: list[int] | None,
+                     salt: str | None = None) -> Worker:
         if not ids:
             return least_loaded(workers)
 
         def cost(w: Worker) -> tuple[int, int]:
-            uncached = len(ids) - self.index.cached_tokens(w.url, ids)
+            uncached = len(ids) - self.index.cached_tokens(w.url, ids, salt)
             return uncached + self.load_tokens * w.in_flight, w.picks
 
         worker = min(workers, key=cost)
-        self.index.expect(worker.url, ids)
+        self.index.expect(worker.url, ids, salt)
         return worker
 
     def pick_decode(self, workers: Sequence[Worker]) -> Worker:

@@ -81,10 +81,11 @@ class PrefillAdder:
         ids, ps = req.fill_ids, self.kv.page_size
         usable = (len(ids) - 1) // ps * ps
         shared = max((_common_pages(ids, other.fill_ids, ps, usable)
-                      for other in (*self.batch.reqs, *prefilling)), default=0)
+                      for other in (*self.batch.reqs, *prefilling)
+                      if other.cache_salt == req.cache_salt), default=0)
         if shared < WAIT_FOR_SHARED_TOKENS:
             return False
-        cached = len(cache.match(ids[:shared])[0]) * ps
+        cached = len(cache.match(ids[:shared], req.cache_salt)[0]) * ps
         return shared - cached >= WAIT_FOR_SHARED_TOKENS
 
     def _fits(self, req: Req) -> bool:

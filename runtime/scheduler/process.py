@@ -232,6 +232,7 @@ class SchedulerLoop:
                 bootstrap_ticket=msg.bootstrap_ticket,
                 movable=msg.allow_kv_move,
                 resumed_outputs=msg.resumed_outputs,
+                cache_salt=msg.cache_salt,
             )
             self.role.add(req)
         except InvalidRequest as e:

@@ -30,6 +30,7 @@ class Req:
     kv_len: int = 0
     computed_len: int = 0  # of kv_len, the positions a finished forward wrote (cacheable)
     cache_node: Any = None  # the prefix-cache node it reads from (locked), if any
+    cache_salt: str | None = None  # the prefix cache's namespace it reads and fills
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     canary_chain: Any = None  # KV canary: the tags its tokens give their slots (ReqChain)
     # Set when the scheduler evicts the request to free KV; results of batches that were already
@@ -105,7 +106,7 @@ class Req:
         client has or is due, and ends with the `move` that says where it went."""
         moved = Req(rid, self.fill_ids[:-1], self.sampling_params, self.stream,
                     self.return_logprob, self.top_logprobs_num, bootstrap_room=room,
-                    hand_off=True, seed=self.seed,
+                    hand_off=True, seed=self.seed, cache_salt=self.cache_salt,
                     resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1)
         token = self.output_ids.pop()
         logprob = self.output_logprobs.pop() if self.return_logprob and self.output_logprobs else None

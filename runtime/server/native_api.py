@@ -65,7 +65,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=room,
         bootstrap_ticket=body.bootstrap_ticket,
-        allow_kv_move=body.allow_kv_move and body.stream,
+        allow_kv_move=body.allow_kv_move and body.stream, cache_salt=body.cache_salt,
     ), body.resume)
 
 

@@ -67,6 +67,7 @@ def _requests(
                 bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
                 bootstrap_ticket=body.bootstrap_ticket,
                 allow_kv_move=body.allow_kv_move and body.stream and len(prompts) * body.n == 1,
+                cache_salt=body.cache_salt,
             ), body.resume))
     return reqs
 

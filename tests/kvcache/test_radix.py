@@ -83,3 +83,25 @@ def test_block_hashes_chain_over_the_prefix_and_match_the_nodes() -> None:
     assert block_hashes([*tokens(1, 2), 9], PS) == [node.parent.hash, node.hash]  # type: ignore[union-attr]
     assert block_hash(ROOT_HASH, tokens(2)) != block_hashes(tokens(1, 2), PS)[1]
     assert sorted(cache.hashes()) == sorted(block_hashes(tokens(1, 2), PS))
+
+
+def test_salts_are_namespaces_with_hashes_of_their_own() -> None:
+    """Requests share KV only within one cache salt; the hashes of a salt's pages are its own
+    (what the KV events and the router's index see); an emptied salt keeps no root."""
+    cache = RadixCache(PS)
+    cache.events = []
+    cache.insert(tokens(1, 2), [1, 2], salt="tenant-a")
+    assert cache.match(tokens(1, 2), "tenant-a")[0] == [1, 2]
+    assert cache.match(tokens(1, 2))[0] == [] and cache.match(tokens(1, 2), "tenant-b")[0] == []
+    node, dups = cache.insert(tokens(1, 2), [3, 4], salt="tenant-b")  # not a duplicate of a's
+    assert dups == [] and cache.match(tokens(1, 2), "tenant-b")[0] == [3, 4]
+    a, b = block_hashes(tokens(1, 2), PS, "tenant-a"), block_hashes(tokens(1, 2), PS, "tenant-b")
+    assert not set(a) & set(b) and not set(a) & set(block_hashes(tokens(1, 2), PS))
+    assert [h for _, h in cache.take_events()] == [*a, *b]
+    assert sorted(cache.hashes()) == sorted(a + b) and node.hash == b[-1]
+    cache.lock(node)
+    assert sorted(cache.evict(4)) == [1, 2]  # b's are locked; a's go, and a's root with them
+    assert set(cache.roots) == {None, "tenant-b"}
+    cache.unlock(node)
+    assert sorted(cache.flush()) == [3, 4] and set(cache.roots) == {None}
+    assert cache.cached_pages == cache.evictable_pages == 0
