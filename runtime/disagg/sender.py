@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 60.0
 CLOSE_WAIT_S = 10.0
+# a link's handshake that a receiver flooded with unproven connections closed: again, after
+# 0.1, 0.2, 0.4 and 0.8 s (1.5 s in all: past a burst of newcomers younger than the receiver's
+# MIN_WAIT_S, which it cannot close to make room)
+LINK_TRIES, LINK_BACKOFF_S = 5, 0.1
 
 
 @dataclass
@@ -107,23 +111,35 @@ class KVSender:
             link = self.links.get(peer.decode_id)
         if link is not None:
             return link
-        addr = (peer.receiver_host, peer.receiver_port)
-        try:
-            sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
-        except OSError as e:
-            raise TransferError(f"cannot reach decode {peer.decode_id} at {addr}: {e}") from e
-        sock.settimeout(SEND_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            open_link(sock, self.key, self.transfer.agent_name, peer.decode_id)
-        except OSError as e:
-            sock.close()
-            raise TransferError(f"decode {peer.decode_id} at {addr}: {e}") from e
+        sock = self._open(peer)
         with self._lock:
             link = self.links.setdefault(peer.decode_id, _Link(sock, threading.Lock()))
         if link.sock is not sock:
             sock.close()
         return link
+
+    def _open(self, peer: PeerRegistration) -> socket.socket:
+        """A new link to `peer`, proven. A receiver under a flood of unproven connections may
+        close ours to make room (runtime/disagg/receiver.py): tried LINK_TRIES times."""
+        addr = (peer.receiver_host, peer.receiver_port)
+        for attempt in range(1, LINK_TRIES + 1):
+            try:
+                sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+            except OSError as e:
+                raise TransferError(f"cannot reach decode {peer.decode_id} at {addr}: {e}") from e
+            sock.settimeout(SEND_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                open_link(sock, self.key, self.transfer.agent_name, peer.decode_id)
+                return sock
+            except OSError as e:
+                sock.close()
+                if attempt == LINK_TRIES:
+                    raise TransferError(f"decode {peer.decode_id} at {addr}: {e}") from e
+                backoff = LINK_BACKOFF_S * 2 ** (attempt - 1)
+                log.info("KV link to %s at %s: %s; again in %.1f s", peer.decode_id, addr, e, backoff)
+                time.sleep(backoff)
+        raise AssertionError("unreachable")
 
     def _drop(self, decode_id: str, link: _Link) -> None:
         with self._lock:
