@@ -213,3 +213,48 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
         assert "killing it" not in up.text()  # every child ended on its SIGTERM
     finally:
         up.close()
+
+
+RESTART_LOOPS = 20 if os.environ.get("BATON_RESTART_SOAK") else 2
+
+
+@pytest.mark.slow
+def test_prefill_kills_under_long_prompts_lose_no_stream(tiny_path: Path, tmp_path: Path) -> None:
+    """Issue #34, item 7 (once seen as every stream 502, 1 run in 3): `baton up --prefill 2
+    --decode 1` (tcp), 8 long prompts streaming, SIGKILL of a prefill while they are in flight,
+    then baton up starts it again on its ports (retries may land on it as it comes back): every
+    stream ends 200 and whole, every time. RESTART_LOOPS kills in a row (20 with
+    BATON_RESTART_SOAK=1), alternating the victim and the moment of the kill."""
+    up = Up(tiny_path, tmp_path, "--kv-transfer", "tcp", "--prefill", "2", "--", "--plugin",
+            "tests.server.slow_prefill", "--attention-backend", "slow-prefill",
+            "--max-total-tokens", "16384")
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    try:
+        up.wait_up()
+        model = httpx.get(f"{up.url}/v1/models").json()["data"][0]["id"]
+
+        def stream(i: int) -> list[dict[str, Any]]:
+            body = {"model": model, "prompt": " ".join(words[(i + k * k) % 10] for k in range(300)),
+                    "max_tokens": 8, "temperature": 0, "stream": True, "ignore_eos": True}
+            with httpx.Client(timeout=120) as http, http.stream(
+                    "POST", f"{up.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+
+        for loop in range(RESTART_LOOPS):
+            victim = _server_pids(up, "prefill")[loop % 2]
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(stream, 100 * loop + i) for i in range(8)]
+                time.sleep(1.0 + (loop % 3) * 0.7)  # mid-prefill: 8 prompts of ~1.5 s each
+                os.kill(victim, signal.SIGKILL)
+                results = [f.result() for f in futures]
+            for events in results:
+                assert not any("error" in e for e in events), (loop, events)
+                finish = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+                assert finish[-1] == "length", (loop, events)
+            deadline = time.monotonic() + 90
+            while httpx.get(f"{up.url}/ready").json().get("ready_workers", {}).get("prefill") != 2:
+                assert up.proc.poll() is None and time.monotonic() < deadline, up.text()
+                time.sleep(0.2)
+    finally:
+        up.close()
