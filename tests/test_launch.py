@@ -169,17 +169,16 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
         victim = _server_pids(up, role)[0]
         words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
+        model = httpx.get(f"{up.url}/v1/models").json()["data"][0]["id"]  # before any kill
+
         def stream(i: int) -> list[dict[str, Any]]:
             text = " ".join(words[(i + k * k) % 10] for k in range(150))
-            body = {"model": "x", "prompt": text, "max_tokens": 8 if role == "prefill" else 600,
+            body = {"model": model, "prompt": text, "max_tokens": 8 if role == "prefill" else 600,
                     "temperature": 0, "stream": True, "ignore_eos": True}
-            with httpx.Client(timeout=120) as http:
-                model = http.get(f"{up.url}/v1/models").json()["data"][0]["id"]
-                with http.stream("POST", f"{up.url}/v1/completions",
-                                 json={**body, "model": model}) as r:
-                    assert r.status_code == 200
-                    return [json.loads(ln[6:]) for ln in r.iter_lines()
-                            if ln.startswith("data: {")]
+            with httpx.Client(timeout=120) as http, http.stream(
+                    "POST", f"{up.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
 
         url = re.search(rf"{role}-0 ready at (\S+)", up.text()).group(1)  # type: ignore[union-attr]
         gauge = f'baton_router_worker_in_flight{{role="{role}",worker="{url}"}}'

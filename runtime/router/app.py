@@ -40,7 +40,7 @@ from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
 from runtime.router.pairing import Pairing
 from runtime.router.pairs import PairTable
-from runtime.router.policy import build_policy, least_loaded
+from runtime.router.policy import build_policy
 from runtime.router.proxy import Proxy
 from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request
 from runtime.router.tenants import TenantSalts
@@ -169,17 +169,21 @@ class Router:
         return JSONResponse({"rid": rid, "sent_to": len(targets)})
 
     async def models(self) -> Response:
-        ready = self.workers.decode.ready()
+        ready = sorted(self.workers.decode.ready(), key=lambda w: (w.in_flight, w.picks))
         if not ready:
             raise unavailable("no ready decode worker to list the models")
-        worker = least_loaded(ready)
-        try:
-            r = await self.client.get(f"{worker.url}/v1/models",
-                                      timeout=self.config.health_timeout_s)
-        except httpx.HTTPError as e:
-            return self.proxy.failed(worker, e).response()
-        return Response(r.content, r.status_code,
-                        media_type=r.headers.get("content-type", "application/json"))
+        failure: Response | None = None
+        for worker in ready:  # the least loaded first; one that just died is no answer
+            try:
+                r = await self.client.get(f"{worker.url}/v1/models",
+                                          timeout=self.config.health_timeout_s)
+            except httpx.HTTPError as e:
+                failure = self.proxy.failed(worker, e).response()
+                continue
+            return Response(r.content, r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        assert failure is not None
+        return failure
 
     def readiness(self) -> JSONResponse:
         counts = {role: len(self.workers.pool(role).ready()) for role in ("prefill", "decode")}

@@ -112,6 +112,18 @@ def test_models_come_from_a_ready_decode_worker(pd: PD) -> None:
     assert answer.status_code == 200 and answer.json()["data"][0]["id"] == "fake-decode"
 
 
+def test_models_come_from_another_decode_when_the_first_one_died(workers: Any, router: Any) -> None:
+    """The decode the router would ask first died before a health check noticed: the list of
+    models comes from the next one, not a 502."""
+    p, d1, d2 = workers("prefill"), workers("decode"), workers("decode")
+    r = router([p], [d1, d2], "--health-interval-s", "30")
+    d1.server.server.should_exit = True
+    d1.stop()
+    for _ in range(4):
+        answer = r.client.get("/v1/models")
+        assert answer.status_code == 200 and answer.json()["data"][0]["id"] == "fake-decode"
+
+
 def test_metrics_count_requests_failures_workers_and_latency(pd: PD) -> None:
     router, p, d = pd
     for _ in range(3):
