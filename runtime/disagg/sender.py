@@ -48,6 +48,7 @@ class Sent:
 class _Link:
     sock: socket.socket
     lock: threading.Lock
+    dropped: bool = False  # a write on it failed and closed it
 
 
 class KVSender:
@@ -82,6 +83,9 @@ class KVSender:
             self._writing += 1
         try:
             with link.lock:
+                if link.dropped:  # another write failed on it while this one waited
+                    raise TransferError(f"the KV link to decode {peer.decode_id} is broken: "
+                                        "a write on it failed while this one waited")
                 claim()  # raises when the room must not be written (the link is fine)
                 nbytes = self._write(peer, link, src_pages, dst_pages, aux)
         finally:
@@ -142,6 +146,7 @@ class KVSender:
         raise AssertionError("unreachable")
 
     def _drop(self, decode_id: str, link: _Link) -> None:
+        link.dropped = True
         with self._lock:
             if self.links.get(decode_id) is link:
                 del self.links[decode_id]
