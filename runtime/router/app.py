@@ -40,7 +40,7 @@ from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
 from runtime.router.pairing import Pairing
 from runtime.router.pairs import PairTable
-from runtime.router.policy import build_policy
+from runtime.router.policy import build_policy, load
 from runtime.router.proxy import Proxy
 from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request
 from runtime.router.tenants import TenantSalts
@@ -169,7 +169,7 @@ class Router:
         return JSONResponse({"rid": rid, "sent_to": len(targets)})
 
     async def models(self) -> Response:
-        ready = sorted(self.workers.decode.ready(), key=lambda w: (w.in_flight, w.picks))
+        ready = sorted(self.workers.decode.ready(), key=load)
         if not ready:
             raise unavailable("no ready decode worker to list the models")
         failure: Response | None = None

@@ -47,9 +47,14 @@ class Policy(ABC):
     def pick_decode(self, workers: Sequence[Worker]) -> Worker: ...
 
 
+def load(worker: Worker) -> tuple[int, int]:
+    """How busy a worker is for this router: requests in flight, then how often it was picked."""
+    return worker.in_flight, worker.picks
+
+
 def least_loaded(workers: Sequence[Worker]) -> Worker:
     """Fewest requests in flight from this router; ties go to the one picked least often."""
-    return min(workers, key=lambda w: (w.in_flight, w.picks))
+    return min(workers, key=load)
 
 
 class RoundRobin(Policy):
