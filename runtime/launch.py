@@ -4,8 +4,9 @@
              [--host 127.0.0.1] [--log-dir DIR] [-- extra `baton serve` flags]
 
 Every worker runs `baton serve --role prefill|decode` on a free port (prefill also on a free
-bootstrap port), the router `baton router` on --port. It waits for every `/ready` and shows
-progress, prints the URL and a curl example. A child that dies while serving is started again
+bootstrap port), the router `baton router` on --port. It waits for every `/ready` (the router's
+once it has seen every worker ready, so that a request it gets from then on may go to any of
+them) and shows progress, prints the URL and a curl example. A child that dies while serving is started again
 on its ports after a backoff (1 s, doubling to 30 s; reset once it has served a minute), and
 the router finds it again; the rest keep serving. Ctrl-C / SIGTERM stops the router first, then
 the workers, each with a SIGTERM to the process itself (it drains, then ends its scheduler),
@@ -63,6 +64,7 @@ class Child:
     ready_after: float | None = None
     not_ready: str = "no answer yet"  # what its last GET /ready said
     extra: dict[str, int] = field(default_factory=dict)
+    ready_workers: dict[str, int] | None = None  # the router: ready once it sees these ready
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = 0.0  # the wait before its next restart (0: none yet)
@@ -161,7 +163,8 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
         value = f"{c.url},{c.extra['bootstrap_port']}" if "bootstrap_port" in c.extra else c.url
         router += [flag, value]
     children.append(Child("router", router, f"http://{args.host}:{args.port}",
-                          log_dir / "router.log", env=dict(key)))
+                          log_dir / "router.log", env=dict(key),
+                          ready_workers={"prefill": args.prefill, "decode": args.decode}))
     return children
 
 
@@ -224,6 +227,10 @@ class Deployment:
             answer = http.get(f"{child.url}/ready")
             ready = answer.status_code == 200
             child.not_ready = error_message(answer)
+            if ready and child.ready_workers is not None:
+                seen = answer.json().get("ready_workers")
+                ready = seen == child.ready_workers
+                child.not_ready = f"it sees {seen} of {child.ready_workers} workers ready"
         except httpx.HTTPError as e:
             ready, child.not_ready = False, f"{type(e).__name__}: {e}"
         if ready:

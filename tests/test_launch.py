@@ -165,7 +165,9 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
             "tests.server.slow_prefill", "--attention-backend", "slow-prefill",
             "--max-total-tokens", "16384")
     try:
-        up.wait_up()
+        up.wait_up()  # and the router has seen every worker ready: the kill leaves it a pair
+        counts = {"prefill": 1, "decode": 1, role: 2}
+        assert httpx.get(f"{up.url}/ready").json()["ready_workers"] == counts
         victim = _server_pids(up, role)[0]
         words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -177,7 +179,7 @@ def test_a_dead_worker_is_started_again_and_the_rest_keep_serving(
                     "temperature": 0, "stream": True, "ignore_eos": True}
             with httpx.Client(timeout=120) as http, http.stream(
                     "POST", f"{up.url}/v1/completions", json=body) as r:
-                assert r.status_code == 200
+                assert r.status_code == 200, (r.read(), up.text()[-6000:])
                 return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
 
         url = re.search(rf"{role}-0 ready at (\S+)", up.text()).group(1)  # type: ignore[union-attr]

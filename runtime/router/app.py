@@ -137,7 +137,7 @@ class Router:
             self.metrics.on_request(endpoint, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         exchange = Exchange(self.proxy, self.pairs, self.pairing.route, req, prefill, decode,
-                            self.pairing.move)
+                            self.pairing.move, self.health.recheck)
         self.exchanges[req.rid] = exchange
         exchange.on_close = lambda: self.exchanges.__delitem__(req.rid)
         return await exchange.respond(request)

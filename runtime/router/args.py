@@ -97,6 +97,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
                    f"ends with an in-band error) (default: {DEFAULT.max_migrations})")
     _seconds(p, "--retry-backoff-s", DEFAULT.retry_backoff_s,
              "the wait before the first retry, doubled for each next one")
+    _seconds(p, "--retry-wait-s", DEFAULT.retry_wait_s,
+             "a retry that finds no ready pair (its only prefill died and starts again, a worker "
+             "not seen ready yet) polls the workers that are out and waits this long for one "
+             "before the client gets the last failure")
     p.add_argument("--pair-failures", type=_positive_int, default=DEFAULT.pair_failures,
                    help="failed KV handoffs in a row that quarantine a (prefill, decode) pair "
                    f"(default: {DEFAULT.pair_failures})")
@@ -165,7 +169,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         health_failures=ns.health_failures,
         dns_refresh_s=ns.dns_refresh_s, shutdown_grace_s=ns.shutdown_grace_s,
         fallback=ns.fallback, max_retries=ns.max_retries, max_migrations=ns.max_migrations,
-        retry_backoff_s=ns.retry_backoff_s,
+        retry_backoff_s=ns.retry_backoff_s, retry_wait_s=ns.retry_wait_s,
         pair_failures=ns.pair_failures, pair_quarantine_s=ns.pair_quarantine_s,
         pair_max_quarantine_s=ns.pair_max_quarantine_s,
         cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,

@@ -68,6 +68,7 @@ class RouterConfig:
     max_retries: int = 2  # tries on other pairs for a request that failed before its answer
     max_migrations: int = 3  # times a stream may move to another pair after its first byte
     retry_backoff_s: float = 0.05  # before the first retry; doubled for each next one
+    retry_wait_s: float = 15.0  # a retry that finds no ready pair waits this long for one
     pair_failures: int = 2  # failed KV handoffs in a row that quarantine a (prefill, decode) pair
     pair_quarantine_s: float = 5.0  # the first quarantine; doubled at each failed probe
     pair_max_quarantine_s: float = 120.0

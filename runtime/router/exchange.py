@@ -6,7 +6,9 @@ client, a failure is invisible to it: the attempt is aborted on both sides and t
 to another pair with fresh rooms and rid, after a short backoff, at most `--max-retries` times
 and while it is younger than `--request-timeout-s` (a worker's 4xx is the client's and is passed
 on). The pair that failed is avoided on the retries: the side to blame, or, for a failed KV
-handoff, the pair, which the pair table also counts (`pairs.py`).
+handoff, the pair, which the pair table also counts (`pairs.py`). A retry that finds no ready
+pair at all (the only prefill died and is starting again, or the other is one the router has not
+seen ready yet) waits for one, up to `--retry-wait-s`, polling the workers that are out.
 
 Once D answered, the client gets D's response: JSON as is, SSE relayed event by event as D sends
 them, with D's status. A stream that breaks off before `data: [DONE]` ends in-band with
@@ -22,7 +24,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -53,8 +55,10 @@ class Exchange:
     """One client request and its attempts."""
 
     def __init__(self, proxy: Proxy, pairs: PairTable, route: Route, req: RoutedRequest,
-                 prefill: Worker | None, decode: Worker, move: MoveRoute | None = None):
+                 prefill: Worker | None, decode: Worker, move: MoveRoute | None,
+                 recheck: Callable[[], Awaitable[None]]):
         self.proxy, self.pairs, self.route, self.move = proxy, pairs, route, move
+        self.recheck = recheck  # polls the workers that are out, then pauses a moment
         self.follower = follower_for(req, proxy.config.max_migrations)
         # a followed stream may move, and a draining decode may move it with its KV
         body = dict(req.body)  # (a client's own router-only fields are gone: ROUTER_ONLY)
@@ -156,7 +160,7 @@ class Exchange:
         move = failure.body.get("kv_move")
         self.proxy.metrics.on_migration("kv_move" if move else failure.reason)
         if not (isinstance(move, dict) and self._move_try(move)):
-            self._next_try(failure)
+            await self._next_try(failure)
         await self._answer(None)
 
     def _move_try(self, move: dict[str, Any]) -> bool:
@@ -219,7 +223,7 @@ class Exchange:
                     raise
                 await _until(self.proxy.spawn(self._backoff()), disconnect)
                 self.retries += 1
-                self._next_try(f)
+                await _until(self.proxy.spawn(self._next_try(f)), disconnect)
 
     def _blame(self, attempt: Attempt, failure: UpstreamFailure) -> None:
         attempt.probe = False  # the verdict follows
@@ -246,15 +250,25 @@ class Exchange:
         base = self.proxy.config.retry_backoff_s * 2 ** self.retries
         await asyncio.sleep(base * random.uniform(0.5, 1.0))
 
-    def _next_try(self, failure: UpstreamFailure) -> None:
-        """The next attempt, on another pair if there is one (raises the failure if no pair
-        is left at all)."""
+    async def _next_try(self, failure: UpstreamFailure) -> None:
+        """The next attempt, on another pair if there is one; with no ready pair at all, the
+        first that is ready within `--retry-wait-s` (raises the failure when none is, or when
+        the request is cancelled or out of time meanwhile)."""
         self.tries += 1
-        try:
-            req, prefill, decode = self.route(self.base.retried(self.tries), self.avoid_workers,
-                                              self.avoid_pairs)
-        except RouterError:
-            raise failure from None
+        config = self.proxy.config
+        until = min(time.monotonic() + config.retry_wait_s,
+                    self.phase_started + config.request_timeout_s)
+        while True:
+            try:
+                req, prefill, decode = self.route(self.base.retried(self.tries),
+                                                  self.avoid_workers, self.avoid_pairs)
+                break
+            except RouterError as e:
+                if self.cancelled or time.monotonic() >= until:
+                    log.info("%s: no try after %s %s: %s", self.req.rid, failure.side,
+                             failure.reason, e)
+                    raise failure from None
+            await self.recheck()
         log.info("%s: try %d on prefill %s, decode %s after %s %s: %s", self.req.rid,
                  self.tries + 1, prefill.url if prefill else "(none)", decode.url, failure.side,
                  failure.reason, failure.code)

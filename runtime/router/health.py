@@ -5,6 +5,9 @@ does not answer in time is out after `failures` such polls in a row (a busy work
 to answer once). Its next 200 brings it back. A prefill/decode worker's 200 also says its KV
 transfer backend and layout (`kv_transfer`): the router pairs only workers that agree, and says
 so in its own /ready (and log) when none do.
+
+A request whose retry finds no ready pair does not wait for the next interval: `recheck` polls
+the workers that are out at once (one poll at a time, shared by every request waiting).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from runtime.router.metrics import RouterMetrics
 from runtime.router.workers import Worker, Workers
 
 log = logging.getLogger("baton.router")
+RECHECK_S = 0.25  # a recheck's pause after its poll: how often a waiting retry looks again
 
 
 class HealthChecker:
@@ -28,6 +32,7 @@ class HealthChecker:
         self.client, self.workers, self.metrics = client, workers, metrics
         self.interval, self.timeout, self.failures = interval, timeout, failures
         self.unready: str | None = "starting"  # the reason last logged
+        self._recheck: asyncio.Future[None] | None = None
 
     async def check(self, workers: Iterable[Worker]) -> None:
         """Poll each of `workers` once, concurrently, and publish the ready counts."""
@@ -39,6 +44,19 @@ class HealthChecker:
         while True:
             await self.check(self.workers.all())
             await asyncio.sleep(self.interval)
+
+    async def recheck(self) -> None:
+        """Poll the workers that are out now, then pause RECHECK_S: what a retry that found
+        no ready pair waits on (a worker the router has not seen ready yet, one starting
+        again). Callers that come while one runs share it."""
+        if self._recheck is None or self._recheck.done():
+            out = [w for w in self.workers.all() if not w.ready]
+            self._recheck = asyncio.ensure_future(self._poll_then_pause(out))
+        await asyncio.shield(self._recheck)
+
+    async def _poll_then_pause(self, workers: list[Worker]) -> None:
+        await self.check(workers)
+        await asyncio.sleep(RECHECK_S)
 
     def publish(self) -> None:
         for pool in (self.workers.prefill, self.workers.decode):

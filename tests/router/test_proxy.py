@@ -236,8 +236,10 @@ def test_a_silent_worker_times_out(workers: Any, router: Any) -> None:
     wait_for(lambda: rid in p.aborts, what="prefill aborted")
 
 
-def test_unreachable_prefill_is_a_502_and_leaves_the_ready_set(pd: PD) -> None:
-    router, p, d = pd
+def test_unreachable_prefill_is_a_502_and_leaves_the_ready_set(workers: Any,
+                                                               router: Any) -> None:
+    p, d = workers("prefill"), workers("decode")
+    router = router([p], [d], "--retry-wait-s", "0.3")  # for a prefill to come back
     p.stop()
     r = router.client.post("/generate", json={**BODIES["/generate"],
                                               "fake": {"decode": {"hang": True}}})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -91,6 +92,36 @@ def test_every_try_failing_gives_one_clear_error(workers: Any, router: Any) -> N
     wait_for(lambda: set(d.aborts) == rids, what="every try aborted on D")
     assert metric(r, "baton_router_retries_total") == 3
     assert 'status="503"} 1.0' in r.metrics()
+
+
+@pytest.mark.parametrize("comes_back_s", [0.0, 0.6, None])
+def test_a_retry_with_no_ready_pair_waits_for_one(workers: Any, router: Any,
+                                                  comes_back_s: float | None) -> None:
+    """Issue #34 item 7 (every stream 502 after a prefill kill, seen in CI): the other prefill
+    was ready, but the router had not polled it since it came up (or it was starting again),
+    and a retry that found no ready pair failed at once. Now the retry polls the workers that
+    are out and waits for a pair, up to --retry-wait-s; past it the client gets the failure."""
+    p0, p1 = workers("prefill", bootstrap_port=9001), workers("prefill", bootstrap_port=9002)
+    d = workers("decode")
+    p1.ready = False  # at the router's first poll; no other poll comes in this test
+    r = router([p0, p1], [d], "--policy", "round_robin", "--health-interval-s", "60",
+               "--retry-wait-s", "1.5")
+    p1.ready = comes_back_s == 0  # ready now, but the router does not know it yet
+    p0.stop()  # the only prefill the router sees ready is gone
+    if comes_back_s:
+        threading.Timer(comes_back_s, lambda: setattr(p1, "ready", True)).start()
+    began = time.monotonic()
+    answer = r.client.post("/generate", json={**GEN, "rid": "waits", **SLOW_D})
+    took = time.monotonic() - began
+    if comes_back_s is None:
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "prefill_connect"
+        assert 1.5 <= took < 4, took
+        assert not p1.received
+    else:
+        assert answer.status_code == 200, answer.text
+        assert p1.got("waits.retry1") and d.got("waits.retry1")
+        assert took >= (comes_back_s or 0)
+    assert metric(r, "baton_router_retries_total") == (comes_back_s is not None)
 
 
 def test_a_client_error_is_not_retried(workers: Any, router: Any) -> None:
