@@ -42,14 +42,15 @@ class ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         return cls.from_hf_dict(raw)
 
+    @staticmethod
+    def architecture_of(raw: dict[str, Any]) -> str:
+        """config.json's first `architectures` entry (Llama's when it names none)."""
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        return str(archs[0])
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; baton runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = cls.architecture_of(raw)  # which family runs it: runtime/models/registry.py
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         # transformers >= 5 writes rope settings under `rope_parameters`.
@@ -77,9 +78,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
         )
-
-
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
 
 
 def _help(text: str) -> dict[str, str]:

@@ -31,7 +31,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
-from runtime.models.llama import LlamaModel
+from runtime.models.registry import CausalLM
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -80,7 +80,7 @@ def capture_cuda_graph(
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         attn: AttentionBackend,
         pool: KVPool,
         req_to_token: ReqToTokenPool,
@@ -130,7 +130,7 @@ class DecodeGraphs:
                             sampling=None, **views)  # type: ignore[arg-type]
 
     def _forward(
-        self, model: LlamaModel, attn: AttentionBackend, batch: ForwardBatch, size: int
+        self, model: CausalLM, attn: AttentionBackend, batch: ForwardBatch, size: int
     ) -> Callable[[], None]:
         def forward() -> None:
             self.logits[:size].copy_(model.forward(batch, attn, None))

@@ -30,7 +30,7 @@ from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
-from runtime.models.llama import LlamaModel
+from runtime.models.registry import build_model
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         try:
-            self.model = LlamaModel(mc, self.model_path, self.dtype, str(self.device), onednn)
+            self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn)
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
         if prefix_cache is None:
