@@ -234,6 +234,8 @@ class ServerArgs:
         "keys to require, one per line; read again when it changes"))
     protect_metrics: bool = field(default=False, metadata=_help(
         "require a key for /metrics too (/health and /ready stay open)"))
+    admin_api_key: str | None = field(default=None, metadata=_help(
+        "with API keys on, the /debug/ views need this key (also $BATON_ADMIN_API_KEY)"))
     request_timeout_s: float = field(
         default=600.0, metadata=_help("abort a request that makes no progress this long")
     )

@@ -40,6 +40,7 @@ from typing import IO
 
 import httpx
 
+from runtime.auth.api_keys import ADMIN_ENV
 from runtime.auth.api_keys import ENV as API_KEY_ENV
 from runtime.auth.key import ENV as KEY_ENV
 from runtime.errors import error_message
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's (default: cache_aware, with the model's tokenizer)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="the router and every worker require `Authorization: Bearer KEY` (else "
-                   "also $BATON_API_KEY); the router presents it to the workers")
+                   "also $BATON_API_KEY); the router presents it to the workers; it is the "
+                   "admin key too (the /debug/ views)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="one log file per process (default: a new folder under the temp dir)")
     return p
@@ -141,7 +143,9 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
     # the API key travels in the environment, never on a command line `ps` shows: the router
     # requires it of clients, and the workers of anyone who reaches their ports directly (the
     # router presents it to them)
-    key = {API_KEY_ENV: args.api_key} if getattr(args, "api_key", None) else {}
+    # (one key, one operator: it is also the admin key that reads the /debug/ views)
+    key = {API_KEY_ENV: args.api_key, ADMIN_ENV: args.api_key} \
+        if getattr(args, "api_key", None) else {}
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = next(ports)

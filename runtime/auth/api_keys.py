@@ -11,6 +11,10 @@ longer be read (deleted) leaves that file with no keys, so with no other key eve
 outside the open paths is refused, and a warning says so at start-up and at each change.
 `/health` and `/ready` stay open (probes), `/metrics` too unless `--protect-metrics`. A refusal
 is a 401 in the OpenAI error shape (`code: invalid_api_key`) with `WWW-Authenticate: Bearer`.
+The debug views (`/debug/...`: block hashes, pairs, stats) are the operator's: with keys on they
+need the admin key (`--admin-api-key` or `$BATON_ADMIN_API_KEY`), which passes the gate
+everywhere; a client's key gets a 403 there (no admin key set: nobody reads them), so one
+tenant never sees what another's traffic left in a cache.
 The router presents its own first key to the workers behind it (one key set per deployment).
 """
 
@@ -31,14 +35,18 @@ from runtime.errors import error_body
 log = logging.getLogger(__name__)
 
 ENV = "BATON_API_KEY"
+ADMIN_ENV = "BATON_ADMIN_API_KEY"
+OPERATOR_PREFIX = "/debug/"  # with keys on, the admin key's alone
 RELOAD_S = 5.0
 PROBES = frozenset({"/health", "/ready"})
 
 
 class ApiKeys:
-    def __init__(self, keys: Sequence[str] = (), path: str | None = None) -> None:
+    def __init__(self, keys: Sequence[str] = (), path: str | None = None,
+                 admin: str | None = None) -> None:
         self.fixed = tuple(k for k in keys if k)
         self.path = path
+        self.admin = admin or None
         self._from_file: tuple[str, ...] = ()
         self._mtime: float | None = None
         self._checked = 0.0
@@ -46,10 +54,10 @@ class ApiKeys:
             self._reload(force=True)
 
     @classmethod
-    def load(cls, keys: Sequence[str], path: str | None,
-             env: Mapping[str, str] = os.environ) -> ApiKeys:
+    def load(cls, keys: Sequence[str], path: str | None, env: Mapping[str, str] = os.environ,
+             *, admin: str | None = None) -> ApiKeys:
         from_env = [k.strip() for k in env.get(ENV, "").split(",") if k.strip()]
-        return cls([*keys, *from_env], path)
+        return cls([*keys, *from_env], path, admin or env.get(ADMIN_ENV, "").strip() or None)
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +80,14 @@ class ApiKeys:
             return True
         given = bearer(authorization).encode("utf-8", "surrogatepass")
         matches = [hmac.compare_digest(given, k.encode()) for k in keys]
-        return any(matches)
+        return any(matches) or self.is_admin(authorization)
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether this header carries the admin key (never, when none is set)."""
+        if self.admin is None:
+            return False
+        given = bearer(authorization).encode("utf-8", "surrogatepass")
+        return hmac.compare_digest(given, self.admin.encode())
 
     def _reload(self, force: bool = False) -> None:
         if self.path is None or (not force and time.monotonic() - self._checked < RELOAD_S):
@@ -120,16 +135,29 @@ class ApiKeyGate:
         self.open = PROBES if protect_metrics else PROBES | {"/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.open:
+        path = scope.get("path") or ""
+        if scope["type"] != "http" or path in self.open:
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        if self.keys.allows(header):
-            return await self.app(scope, receive, send)
-        why = ("This server has no valid API key configured: every request is refused"
-               if not self.keys.keys() else "Incorrect API key provided" if header else
-               "Missing API key: send it as `Authorization: Bearer <key>`")
-        body = json.dumps(error_body(why, "invalid_request_error", "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-            (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        if not self.keys.allows(header):
+            why = ("This server has no valid API key configured: every request is refused"
+                   if not self.keys.keys() else "Incorrect API key provided" if header else
+                   "Missing API key: send it as `Authorization: Bearer <key>`")
+            return await _refuse(send, 401, why, "invalid_api_key")
+        if path.startswith(OPERATOR_PREFIX) and self.keys.enabled \
+                and not self.keys.is_admin(header):
+            why = ("The debug views need the admin key" if self.keys.admin is not None else
+                   "The debug views need an admin key, and this server has none (start it "
+                   "with --admin-api-key or $BATON_ADMIN_API_KEY)")
+            return await _refuse(send, 403, why, "admin_key_required")
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(send: Send, status: int, why: str, code: str) -> None:
+    body = json.dumps(error_body(why, "invalid_request_error", code)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

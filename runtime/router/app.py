@@ -65,7 +65,8 @@ class Router:
         self.policy = build_policy(config.policy, config, self.index)
         self.tokenizer = RouterTokenizer(config.tokenizer)
         self.followers: dict[str, asyncio.Task[None]] = {}  # prefill URL -> its KV events
-        self.api_keys = ApiKeys.load(config.api_key, config.api_key_file)
+        self.api_keys = ApiKeys.load(config.api_key, config.api_key_file,
+                                     admin=config.admin_api_key)
         self.client = httpx.AsyncClient(
             trust_env=False,  # workers are reached directly, never through an env proxy
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),

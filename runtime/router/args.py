@@ -128,6 +128,9 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="keys to require, one per line; read again when it changes")
     p.add_argument("--protect-metrics", action="store_true",
                    help="require a key for /metrics too (/health and /ready stay open)")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="with API keys on, /debug/pairs and /debug/kv_index need this key (also "
+                   "$BATON_ADMIN_API_KEY; without one nobody reads them)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT.max_body_bytes,
                    help="a larger request body gets 413 before the rest is read (default: "
                    f"{DEFAULT.max_body_bytes}, as the workers')")
@@ -149,7 +152,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         _check_kubernetes_flags(parser, ns)
     try:
         load_cluster_key(ns.cluster_key_file)
-        ApiKeys.load(ns.api_key, ns.api_key_file)
+        ApiKeys.load(ns.api_key, ns.api_key_file, admin=ns.admin_api_key)
     except ValueError as e:  # (KeyProblem too)
         parser.error(str(e))
     for role, static, dns in zip(ROLES, (prefill, decode), (prefill_dns, decode_dns),
@@ -175,6 +178,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         cache_load_tokens=ns.cache_load_tokens, tokenizer=ns.tokenizer, log_level=ns.log_level,
         cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
         api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
+        admin_api_key=ns.admin_api_key,
         max_body_bytes=ns.max_body_bytes,
     )
 

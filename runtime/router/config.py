@@ -79,5 +79,6 @@ class RouterConfig:
     api_key: tuple[str, ...] = ()  # required of clients, and presented to the workers
     api_key_file: str | None = None
     protect_metrics: bool = False
+    admin_api_key: str | None = None  # with API keys on, /debug/ needs it (else: nobody)
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets 413, as on the workers
     log_level: str = "info"

@@ -129,7 +129,7 @@ def _check(args: ServerArgs) -> list[str]:
                         "port, which it names when it moves a stream)")
     try:
         load_cluster_key(d.cluster_key_file)
-        ApiKeys.load(args.api_key, args.api_key_file)
+        ApiKeys.load(args.api_key, args.api_key_file, admin=args.admin_api_key)
     except ValueError as e:  # (KeyProblem too)
         problems.append(str(e))
     return problems

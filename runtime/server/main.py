@@ -98,7 +98,8 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
 
     server.begin_drain = lambda: begin_drain(tm, args.shutdown_grace_s, request_exit)
 
-    app = create_app(args, tm, proc, request_exit, ApiKeys.load(args.api_key, args.api_key_file))
+    keys = ApiKeys.load(args.api_key, args.api_key_file, admin=args.admin_api_key)
+    app = create_app(args, tm, proc, request_exit, keys)
     config.app = app
     log.info("HTTP on http://%s:%d (ready once the model is warmed up)", args.host, args.port)
     server.run()

@@ -27,7 +27,7 @@ def test_every_listed_architecture_has_one_family() -> None:
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"} <= set(names)
     for name in names:
         assert name in family_of(name).architectures
-    with pytest.raises(UnsupportedArchitecture, match="'GPT2LMHeadModel': baton runs .*Llama"):
+    with pytest.raises(UnsupportedArchitecture, match=r"'GPT2LMHeadModel': baton runs .*Llama"):
         family_of("GPT2LMHeadModel")
 
 

@@ -19,6 +19,7 @@ from tests.router.router_process import start_router
 from tests.server.server_process import ServerProcess
 
 KEY, OTHER = "sk-first-0123456789", "sk-second-9876543210"
+ADMIN = "sk-admin-5555555555"
 
 
 def test_keys_from_flags_env_and_a_file_that_changes(tmp_path: Path) -> None:
@@ -103,7 +104,8 @@ def keyed(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     key_file = logs / "keys"
     key_file.write_text(f"{KEY}\n")
     srv = ServerProcess("--api-key-file", str(key_file), "--served-model-name", "tiny",
-                        model=str(tiny_path), log_path=logs / "server.log")
+                        "--admin-api-key", ADMIN, model=str(tiny_path),
+                        log_path=logs / "server.log")
     srv.wait_ready()
     yield srv, key_file
     srv.stop()
@@ -123,6 +125,42 @@ def test_no_key_or_a_wrong_key_is_401_and_the_probes_stay_open(keyed: tuple[Serv
         assert httpx.get(f"{srv.url}{path}").status_code == 200, path
     assert httpx.get(f"{srv.url}/v1/models").status_code == 401
     assert KEY not in srv.log() and OTHER not in srv.log()
+
+
+def test_the_debug_views_are_the_admin_keys(keyed: tuple[ServerProcess, Path],
+                                             tmp_path: Path) -> None:
+    """Issue #34 item 5: the block hashes of /debug/prefix_cache (and every /debug/ view) are
+    the operator's: a client's key gets 403, the admin key (which passes the gate everywhere)
+    gets them. /kv_events stays the router's (any valid key). The router likewise, and one
+    with keys but no admin key shows its debug views to nobody."""
+    srv, _ = keyed
+    client, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {ADMIN}"}
+    for path in ("/debug/prefix_cache", "/debug/stats"):
+        r = httpx.get(f"{srv.url}{path}", headers=client)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+        assert httpx.get(f"{srv.url}{path}", headers=admin).status_code == 200
+        assert httpx.get(f"{srv.url}{path}").status_code == 401
+    assert httpx.get(f"{srv.url}/v1/models", headers=admin).status_code == 200
+    with httpx.stream("GET", f"{srv.url}/kv_events", headers=client, timeout=10) as r:
+        assert r.status_code == 200
+    for flags, admin_status in ((("--admin-api-key", ADMIN), 200), ((), 401)):
+        router = start_router("--prefill", f"{srv.url},1", "--decode", srv.url, "--api-key",
+                              KEY, *flags, log_path=tmp_path / "router.log", ready=False)
+        try:
+            deadline = time.monotonic() + 30
+            while not _answers(f"{router.url}/health"):
+                assert time.monotonic() < deadline, router.log()
+                time.sleep(0.1)
+            for path in ("/debug/kv_index", "/debug/pairs"):
+                r = httpx.get(f"{router.url}{path}", headers=client)
+                assert r.status_code == 403, r.text
+                assert (httpx.get(f"{router.url}{path}", headers=admin).status_code
+                        == admin_status)
+            if not flags:
+                assert "--admin-api-key" in r.json()["error"]["message"]
+            assert ADMIN not in router.log()
+        finally:
+            assert router.stop() == 0
 
 
 def test_the_openai_sdk_works_with_the_key(keyed: tuple[ServerProcess, Path]) -> None:
