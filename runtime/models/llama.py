@@ -99,6 +99,20 @@ class LlamaModel:
 
             self.ops = TRITON_OPS or TORCH_OPS
 
+    def qkv(self, lw: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q [T, H, D], k and v [T, KVH, D] for the normed residual `h`, RoPE
+        applied: where families differ (Qwen3 norms q and k per head first)."""
+        q, k, v = self.split_heads(lw.qkv(h))
+        return *self.ops.rope_qk(q, k, cos_sin), v
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, (H + 2KVH) * D] -> q [T, H, D], k and v [T, KVH, D]."""
+        c, t = self.config, qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
+                v.view(t, c.num_kv_heads, c.head_dim))
+
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = [w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
@@ -119,20 +133,14 @@ class LlamaModel:
         self, batch: ForwardBatch, attn: AttentionBackend, logits_rows: torch.Tensor | None
     ) -> torch.Tensor:
         """Run the new tokens; return logits [R, vocab] for `logits_rows` (all rows when None)."""
-        c, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        t = batch.input_ids.shape[0]
+        ops, eps = self.ops, self.config.rms_norm_eps
         x = self.embed[batch.input_ids]  # [T, hidden]: the residual stream
         attn.begin(batch)
         cos_sin = self.rope.lookup(batch.positions)
         delta = None  # what the last MLP adds to x
         for i, lw in enumerate(self.layers):
             h, x = ops.add_rms_norm(x, delta, lw.input_norm, eps)
-            qkv = lw.qkv(h)  # [T, (H + 2KVH) * D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, c.num_heads, c.head_dim)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            q, k = ops.rope_qk(q, k, cos_sin)
+            q, k, v = self.qkv(lw, h, cos_sin)
             h, x = ops.add_rms_norm(x, lw.o(attn.forward(i, q, k, v, batch)), lw.post_norm, eps)
             delta = lw.down(ops.silu_mul(lw.gate_up(h)))
         if logits_rows is not None:

@@ -46,6 +46,12 @@ def _llama() -> ModelFactory:
     return LlamaModel
 
 
+def _qwen3() -> ModelFactory:
+    from runtime.models.qwen3 import Qwen3Model
+
+    return Qwen3Model
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -55,6 +61,7 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), _llama),
+    Family("qwen3", ("Qwen3ForCausalLM",), _qwen3),
 )
 
 

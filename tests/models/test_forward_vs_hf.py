@@ -1,7 +1,8 @@
-"""Our Llama-family forward over the paged KV cache vs HF's forward, logit for logit.
+"""Each family's forward over the paged KV cache vs HF's forward, logit for logit.
 
-Tiny random models cover what SmolLM2 does not: Qwen2's q/k/v biases, llama3 and linear rope
-scaling, untied lm_head, and a prefix read back from the paged pool (chunked extend + decode).
+Tiny random models cover what SmolLM2 does not: Qwen2's q/k/v biases, Qwen3's per-head q/k
+norms and free head_dim, llama3 and linear rope scaling, untied lm_head, and a prefix read back
+from the paged pool (chunked extend + decode).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(rope_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
     ),
     "qwen2-bias": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+    # q/k norms per head, and a head_dim (32) that is not hidden / heads (16)
+    "qwen3-qk-norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False,
+                                          rope_theta=1000000.0)),
+    "qwen3-tied": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
 }
 
 
@@ -62,10 +67,12 @@ def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tu
     config = getattr(transformers, cls_name)(**COMMON, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random biases, so a dropped bias cannot go unnoticed
+    with torch.no_grad():  # random biases and q/k norms, so a dropped one cannot go unnoticed
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.5)
     model.save_pretrained(tmp_path)
     shutil.copy(model_path / "tokenizer.json", tmp_path / "tokenizer.json")
     return tmp_path, model.eval()

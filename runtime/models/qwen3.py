@@ -1,0 +1,37 @@
+"""Qwen3 (dense): the Llama forward with each head's q and k RMS-normed before RoPE.
+
+What else sets Qwen3 apart is config, which ModelConfig reads for every family: `head_dim` apart
+from hidden / heads (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), no q/k/v biases,
+tied or untied embeddings. The norms' weights are [head_dim], one per layer for q and one for k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.models.llama import LayerWeights, LlamaModel, rms_norm
+
+
+@dataclass
+class Qwen3LayerWeights(LayerWeights):
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+
+
+class Qwen3Model(LlamaModel):
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}.self_attn."
+        base = super()._layer(w, i)
+        return Qwen3LayerWeights(**vars(base), q_norm=w.pop(f"{p}q_norm.weight"),
+                                 k_norm=w.pop(f"{p}k_norm.weight"))
+
+    def qkv(self, lw: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert isinstance(lw, Qwen3LayerWeights) and lw.q_norm is not None \
+            and lw.k_norm is not None
+        q, k, v = self.split_heads(lw.qkv(h))
+        eps = self.config.rms_norm_eps
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)  # per head, fp32 inside
+        return *self.ops.rope_qk(q, k, cos_sin), v
