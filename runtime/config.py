@@ -17,6 +17,34 @@ LinearBackend = Literal["auto", "onednn", "torch"]  # runtime/models/linear.py
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture of experts in place of some layers' MLP (Qwen3-MoE, Mixtral)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k probabilities rescaled to sum to 1 (`norm_topk_prob`)
+    sparse_layers: tuple[int, ...]  # the others keep a dense MLP of `intermediate_size`
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+        """Qwen3-MoE names `num_experts` (`decoder_sparse_step`, `mlp_only_layers`,
+        `moe_intermediate_size`, `norm_topk_prob`); Mixtral `num_local_experts`, every layer
+        sparse, always renormalized. None: a dense model."""
+        experts = raw.get("num_experts") or raw.get("num_local_experts")
+        if not experts:
+            return None
+        step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+            renormalize=bool(raw.get("norm_topk_prob", True)),
+            sparse_layers=tuple(i for i in range(num_layers)
+                                if i not in dense and (i + 1) % step == 0),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the forward pass needs, read from an HF `config.json`."""
 
@@ -36,6 +64,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -77,6 +106,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            moe=MoEConfig.from_hf_dict(raw, int(raw["num_hidden_layers"])),
         )
 
 

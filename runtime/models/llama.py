@@ -19,6 +19,7 @@ from runtime.attention.base import AttentionBackend
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.models.linear import Linear
+from runtime.models.mlp import FeedForward, GatedMLP
 from runtime.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -31,8 +32,7 @@ class LayerWeights:
     qkv: Linear  # hidden -> (H + 2 * KVH) * D, with Qwen2's biases
     o: Linear  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * inter
-    down: Linear  # inter -> hidden
+    mlp: FeedForward  # dense (GatedMLP) or sparse (moe.SparseMoE)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,15 +118,20 @@ class LlamaModel:
         attn = [w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
         biases = [w.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
         qkv_bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-        gate_up = [w.pop(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
         return LayerWeights(
             input_norm=w.pop(f"{p}input_layernorm.weight"),
             qkv=Linear(torch.cat(attn), qkv_bias, self.onednn),
             o=Linear(w.pop(f"{p}self_attn.o_proj.weight"), None, self.onednn),
             post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat(gate_up), None, self.onednn),
-            down=Linear(w.pop(f"{p}mlp.down_proj.weight"), None, self.onednn),
+            mlp=self._mlp(w, i),
         )
+
+    def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
+        """Layer i's feed-forward, its weights popped from `w`: where MoE families differ."""
+        p = f"model.layers.{i}.mlp."
+        gate_up = torch.cat([w.pop(f"{p}gate_proj.weight"), w.pop(f"{p}up_proj.weight")])
+        return GatedMLP(Linear(gate_up, None, self.onednn),
+                        Linear(w.pop(f"{p}down_proj.weight"), None, self.onednn))
 
     @torch.inference_mode()
     def forward(
@@ -142,7 +147,7 @@ class LlamaModel:
             h, x = ops.add_rms_norm(x, delta, lw.input_norm, eps)
             q, k, v = self.qkv(lw, h, cos_sin)
             h, x = ops.add_rms_norm(x, lw.o(attn.forward(i, q, k, v, batch)), lw.post_norm, eps)
-            delta = lw.down(ops.silu_mul(lw.gate_up(h)))
+            delta = lw.mlp(h, ops)
         if logits_rows is not None:
             x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
         h, _ = ops.add_rms_norm(x, delta, self.final_norm, eps)

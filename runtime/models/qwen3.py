@@ -1,4 +1,6 @@
-"""Qwen3 (dense): the Llama forward with each head's q and k RMS-normed before RoPE.
+"""Qwen3, dense and MoE: the Llama forward with each head's q and k RMS-normed before RoPE, and
+in Qwen3-MoE a sparse mixture of experts in place of the MLP of the layers its config names
+(`decoder_sparse_step`, `mlp_only_layers`; runtime/models/moe.py).
 
 What else sets Qwen3 apart is config, which ModelConfig reads for every family: `head_dim` apart
 from hidden / heads (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), no q/k/v biases,
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.models.llama import LayerWeights, LlamaModel, rms_norm
+from runtime.models.mlp import FeedForward
+from runtime.models.moe import load_moe
 
 
 @dataclass
@@ -26,6 +30,14 @@ class Qwen3Model(LlamaModel):
         base = super()._layer(w, i)
         return Qwen3LayerWeights(**vars(base), q_norm=w.pop(f"{p}q_norm.weight"),
                                  k_norm=w.pop(f"{p}k_norm.weight"))
+
+    def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
+        moe = self.config.moe
+        if moe is None or i not in moe.sparse_layers:
+            return super()._mlp(w, i)
+        p = f"model.layers.{i}.mlp."
+        return load_moe(w, f"{p}gate.weight", f"{p}experts.",
+                        ("gate_proj", "up_proj", "down_proj"), moe)
 
     def qkv(self, lw: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -52,6 +52,12 @@ def _qwen3() -> ModelFactory:
     return Qwen3Model
 
 
+def _mixtral() -> ModelFactory:
+    from runtime.models.mixtral import MixtralModel
+
+    return MixtralModel
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -61,7 +67,8 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), _llama),
-    Family("qwen3", ("Qwen3ForCausalLM",), _qwen3),
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), _qwen3),
+    Family("mixtral", ("MixtralForCausalLM",), _mixtral),
 )
 
 

@@ -1,7 +1,7 @@
 """Each family's forward over the paged KV cache vs HF's forward, logit for logit.
 
 Tiny random models cover what SmolLM2 does not: Qwen2's q/k/v biases, Qwen3's per-head q/k
-norms and free head_dim, llama3 and linear rope scaling, untied lm_head, and a prefix read back
+norms and free head_dim, sparse MoE layers (Qwen3-MoE with dense layers between, Mixtral), llama3 and linear rope scaling, untied lm_head, and a prefix read back
 from the paged pool (chunked extend + decode).
 """
 
@@ -56,6 +56,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-qk-norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False,
                                           rope_theta=1000000.0)),
     "qwen3-tied": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    # sparse MoE: 4 experts, top 2; layer 1 dense (mlp_only_layers), renormalized or not
+    "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[1])),
+    "qwen3-moe-step2": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=6, num_experts_per_tok=3,
+                                               moe_intermediate_size=24, norm_topk_prob=False,
+                                               decoder_sparse_step=2)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      tie_word_embeddings=False)),
 }
 
 
@@ -73,6 +82,8 @@ def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tu
                 p.normal_(0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.5)
+            elif name.endswith("gate.weight"):  # a MoE router: decisive picks, not near-ties
+                p.normal_(0, 1.0)
     model.save_pretrained(tmp_path)
     shutil.copy(model_path / "tokenizer.json", tmp_path / "tokenizer.json")
     return tmp_path, model.eval()

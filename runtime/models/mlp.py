@@ -1,0 +1,32 @@
+"""A layer's feed-forward: the dense gated MLP, or a sparse mixture of experts (moe.py).
+
+Both are called as `mlp(h, ops)` on the normed residual h [T, hidden] and return what the layer
+adds to the residual stream [T, hidden]; `ops` is the model's small-op set (torch or Triton).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from runtime.models.linear import Linear
+
+
+class SmallOps(Protocol):
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class FeedForward(Protocol):
+    def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor: ...
+
+
+class GatedMLP:
+    """down(SiLU(gate(h)) * up(h)), gate and up fused into one matmul."""
+
+    def __init__(self, gate_up: Linear, down: Linear) -> None:
+        self.gate_up, self.down = gate_up, down  # hidden -> 2 * inter; inter -> hidden
+
+    def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(h)))
