@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from runtime.handover import Handover, KVOffer
+from runtime.messages import FinishKind, FinishReason
 
 OFFER = KVOffer("10.0.0.7", 8999, 2**63 - 1, "decode-1")
 
@@ -39,3 +40,9 @@ def test_a_move_whose_offer_is_spoiled_has_none(spoil: dict[str, Any]) -> None:
 def test_anything_else_is_no_hand_over(wire: Any) -> None:
     assert Handover.from_wire(wire) is None
 
+
+def test_only_the_two_finish_kinds_are_hand_overs() -> None:
+    assert FinishReason("moved", offer=OFFER).handover() == Handover("moved", OFFER)
+    assert FinishReason("drained", message="bye").handover() == Handover("drained")
+    ends: tuple[FinishKind, ...] = ("stop", "length", "abort")
+    assert all(FinishReason(kind).handover() is None for kind in ends)
