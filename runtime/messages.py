@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishKind = Literal["stop", "length", "abort"]
-KV_MOVED = "its KV moved to another decode server"  # the abort message of a moved request
+from runtime.handover import Handover, KVOffer
+
+# "moved" and "drained" end a decode's stream that goes on elsewhere (runtime/handover.py):
+# outcomes, not failures; the HTTP side turns them into the stream's hand-over event
+FinishKind = Literal["stop", "length", "abort", "moved", "drained"]
 
 
 @dataclass(frozen=True)
@@ -19,12 +22,18 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # why, for aborts
-    # a draining decode moved the request's KV (runtime/disagg/move.py): where its stream goes
-    # on (bootstrap_host, bootstrap_port, bootstrap_room, instance_id); never shown to a client
-    move: dict[str, Any] | None = None
+    offer: KVOffer | None = None  # "moved": where the request's KV waits for another decode
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "matched": self.matched, "message": self.message}
+
+    def handover(self) -> Handover | None:
+        """The hand-over this finish is (None: a finish of the stream itself)."""
+        if self.kind == "moved":
+            return Handover("moved", self.offer)
+        if self.kind == "drained":
+            return Handover("drained")
+        return None
 
 
 # ---- HTTP process -> scheduler process --------------------------------------------------------
@@ -265,6 +274,7 @@ Message = (
 )
 MESSAGE_TYPES: tuple[type, ...] = (
     FinishReason,  # travels inside ReqOutput
+    KVOffer,  # inside a "moved" FinishReason
     GenerateRequest,
     AbortRequest,
     CacheQuery,

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from runtime.codec import CodecError, decode, encode
+from runtime.handover import KVOffer
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
@@ -34,6 +35,8 @@ MESSAGES = [
     RequestError("r1", "too long", "prompt"),
     OUT,
     BatchOutput([OUT, ReqOutput("r2", [], 1, 0)], SchedulerStats()),
+    # a moved request's finish names where its KV waits (runtime/handover.py)
+    ReqOutput("r3", [7], 3, 1, FinishReason("moved", offer=KVOffer("10.0.0.7", 8999, 2**62, "d1"))),
 ]
 
 

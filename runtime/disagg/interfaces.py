@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, Self, TypeVar
 
+from runtime.handover import KVOffer
 from runtime.kvcache.manager import KVHolder
 
 
@@ -41,7 +42,7 @@ class PDRequest(KVHolder, Protocol):
 
     def hand_off_after_prompt(self) -> None: ...
 
-    def split_off(self, rid: str, room: int, move: dict[str, Any]) -> Self: ...
+    def split_off(self, rid: str, room: int, offer: KVOffer) -> Self: ...
 
 
 R = TypeVar("R", bound=PDRequest)

@@ -4,9 +4,10 @@ running stream the router follows to another decode, KV and all, with nothing re
 When the decode drains, every decoding request whose client can follow it (`allow_kv_move`, set
 by the router) is handed over with its next token (`Scheduler.hand_off_running`). Each one is
 split (`Req.split_off`): the request its client knows ends here with the tokens due to it and a
-`move` finish that names a fresh room on this server's bootstrap port; the split-off request,
-which holds the KV of the prompt and of every output token but the newest, waits in that room
-as a prefill's request waits for its decode. The decode the router picks asks for the room
+"moved" finish whose `KVOffer` names a fresh room on this server's bootstrap port (its stream
+ends with that hand-over, runtime/handover.py); the split-off request, which holds the KV of the
+prompt and of every output token but the newest, waits in that room as a prefill's request
+waits for its decode. The decode the router picks asks for the room
 (POST /rooms) and gets the pages and the newest token over the usual transfer path, and
 `process_prebuilt` continues it there. The sending side is a `PrefillRole` of its own; the pages
 leave only once every forward launched before the hand-over has finished (one in flight may
@@ -20,11 +21,12 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol
+from typing import Generic, Protocol
 
 from runtime.disagg.interfaces import R
 from runtime.disagg.prefill import PrefillRole
 from runtime.disagg.rooms import Room
+from runtime.handover import KVOffer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class Mover(Generic[R]):
         told = []
         for req in self.scheduler.take_handed_off():
             room = secrets.randbits(63)
-            moved = req.split_off(f"{req.rid}.moved", room, self.where(room))
+            moved = req.split_off(f"{req.rid}.moved", room, self.offer(room))
             self.sender.adopt(moved, self.scheduler.kv_fence())
             self.moved += 1
             log.info("%s: KV of %d tokens offered in room %d", req.rid,
@@ -65,11 +67,11 @@ class Mover(Generic[R]):
         self.sender.poll()  # what it ends is nobody's client's: nothing to emit
         return told
 
-    def where(self, room: int) -> dict[str, Any]:
+    def offer(self, room: int) -> KVOffer:
+        """Where the KV waits: `room` on this decode's bootstrap server."""
         bootstrap = self.sender.bootstrap
         assert bootstrap is not None
-        return {"bootstrap_host": self.host, "bootstrap_port": bootstrap.port,
-                "bootstrap_room": room, "instance_id": self.sender.instance_id}
+        return KVOffer(self.host, bootstrap.port, room, self.sender.instance_id)
 
     def rooms(self) -> list[Room]:
         """The rooms of moved requests (in the decode's room counts)."""

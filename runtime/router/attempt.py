@@ -79,6 +79,16 @@ class Attempt:
         """Drop the attempt (after `failure`, if it failed): the sides abort as `cancel`
         says, and its calls are let go."""
         self.cancel(failure)
+        self._let_go()
+
+    def handed_over(self) -> None:
+        """D ended its stream with a hand-over (runtime/handover.py): it holds nothing of the
+        request, so only P is told to drop it, as after a failure of D; the calls are let go."""
+        if self.p is not None:
+            self.proxy.abort(self.p, self.req.rid)
+        self._let_go()
+
+    def _let_go(self) -> None:
         if not self.prefill_task.done():
             self.prefill_task.cancel()
         self.release()

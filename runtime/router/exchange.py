@@ -11,10 +11,13 @@ pair at all (the only prefill died and is starting again, or the other is one th
 seen ready yet) waits for one, up to `--retry-wait-s`, polling the workers that are out.
 
 Once D answered, the client gets D's response: JSON as is, SSE relayed event by event as D sends
-them, with D's status. A stream that breaks off before `data: [DONE]` ends in-band with
-`data: {"error": ...}` and `data: [DONE]`. The request is delivered once the client has the
-[DONE] event (or the JSON body): a client that hangs up after that is no 499 and aborts
-nothing. A client that leaves earlier aborts both sides.
+them, with D's status. A followed stream that D hands over (a draining decode: moved with its
+KV, or drained; runtime/handover.py) or that fails goes on on another decode (a migration, by
+reason; only a failure also counts in the upstream failures). A stream that breaks off before
+`data: [DONE]` and cannot go on ends in-band with `data: {"error": ...}` (or the hand-over
+event) and `data: [DONE]`. The request is delivered once the client has the [DONE] event (or
+the JSON body): a client that hangs up after that is no 499 and aborts nothing. A client that
+leaves earlier aborts both sides.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from runtime.handover import Handover, KVOffer
 from runtime.router.attempt import Attempt, blames_link, retryable
 from runtime.router.errors import RouterError, UpstreamFailure
-from runtime.router.follow import StreamError, follower_for, with_client_rid
+from runtime.router.follow import HandedOver, StreamError, follower_for, with_client_rid
 from runtime.router.pairs import PairTable
 from runtime.router.proxy import Proxy
 from runtime.router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -45,8 +49,9 @@ from runtime.sse import CLIENT_GONE, DONE_BYTES, HEADERS, ClientGone
 log = logging.getLogger("baton.router")
 Route = Callable[[RoutedRequest, set[Worker], set[tuple[Worker, Worker]]],
                  tuple[RoutedRequest, Worker | None, Worker]]  # no prefill: the fallback
-# (request, the draining decode, its `kv_move`) -> (request, the decode that takes the KV)
-MoveRoute = Callable[[RoutedRequest, Worker, dict[str, Any]], tuple[RoutedRequest, Worker] | None]
+# (request, the draining decode, its offer) -> (request, the decode that takes the KV)
+MoveRoute = Callable[[RoutedRequest, Worker, KVOffer], tuple[RoutedRequest, Worker] | None]
+Cause = UpstreamFailure | Handover  # why a stream goes on elsewhere: a failure, or a hand-over
 DONE_EVENT = DONE_BYTES.strip()
 T = TypeVar("T")
 
@@ -115,9 +120,10 @@ class Exchange:
         self.attempt.cancel()
 
     async def relay(self) -> AsyncIterator[bytes]:
-        """D's stream as it comes, event by event, until [DONE]. When D fails, a stream the
-        router follows goes on on another pair (`_migrate`); else, or when that fails too,
-        it ends in-band with the error and [DONE]."""
+        """D's stream as it comes, event by event, until [DONE]. When D hands the stream over
+        (a draining decode: runtime/handover.py) or fails, a stream the router follows goes on
+        on another decode (`_migrate`); else, or when that fails, it ends in-band with the
+        hand-over (without its offer) or the error, and [DONE]."""
         while True:
             try:
                 async for event in self._events():
@@ -129,46 +135,63 @@ class Exchange:
                 self.delivered = True
                 yield DONE_BYTES
                 return
-            except (UpstreamFailure, StreamError) as e:
-                f = e if isinstance(e, UpstreamFailure) else self.proxy.count(
-                    UpstreamFailure("decode", "stream_error", 502, e.body))
-                self.attempt.abort(f)
+            except (HandedOver, UpstreamFailure, StreamError) as e:
+                cause, end = self._stopped(e)
+            if self._may_migrate():
                 try:
-                    await self._migrate(f)
+                    await self._migrate(cause)
                     continue
                 except UpstreamFailure as last:
-                    f = last
-                if self.follower is None or not self.follower.finished:
-                    yield f"data: {json.dumps(f.body, ensure_ascii=False)}\n\n".encode()
-                self.delivered = True  # the error (or a stream that had finished) is the end
-                yield DONE_BYTES
-                return
+                    end = _data(last.body)
+                except RouterError as last:
+                    end = _data(last.body())
+            if self.follower is None or not self.follower.finished:
+                yield end + b"\n\n"
+            self.delivered = True  # the end (or a stream that had finished) is the end
+            yield DONE_BYTES
+            return
 
-    async def _migrate(self, failure: UpstreamFailure) -> None:
-        """Go on with the stream on another pair from the tokens the client has (raises
-        `failure` when it cannot: not followed, finished already, cancelled, no migrations
-        left; or the last failure of the new pair's tries)."""
+    def _stopped(self, e: HandedOver | UpstreamFailure | StreamError) -> tuple[Cause, bytes]:
+        """Why D's stream stopped early (a hand-over, or a failure, counted), and the event its
+        client gets if it cannot go on; the attempt is dropped."""
+        if isinstance(e, HandedOver):
+            self.attempt.handed_over()
+            return e.handover, e.event
+        f = e if isinstance(e, UpstreamFailure) else self.proxy.count(
+            UpstreamFailure("decode", "stream_error", 502, e.body))
+        self.attempt.abort(f)
+        return f, _data(f.body)
+
+    def _may_migrate(self) -> bool:
+        """May the stream go on elsewhere? It is followed and unfinished, not cancelled, and
+        has migrations left."""
         follower = self.follower
-        if (follower is None or follower.finished or self.cancelled
-                or self.migrations >= self.proxy.config.max_migrations):
-            raise failure
+        return (follower is not None and not follower.finished and not self.cancelled
+                and self.migrations < self.proxy.config.max_migrations)
+
+    async def _migrate(self, cause: Cause) -> None:
+        """Go on with the stream on another decode from the tokens the client has: with its KV
+        where a hand-over offers it, else replayed on a pair (raises the last failure of the
+        new tries, or, after a hand-over, the RouterError of finding no pair)."""
+        follower = self.follower
+        assert follower is not None
         self.migrations += 1
         follower.migrated = True
         self.base = replace(self.req, body={**self.req.body, "resume": follower.resume()})
         self.avoid_workers.add(self.attempt.d)
         self.phase_started, self.retries = time.monotonic(), 0
-        move = failure.body.get("kv_move")
-        self.proxy.metrics.on_migration("kv_move" if move else failure.reason)
-        if not (isinstance(move, dict) and self._move_try(move)):
-            await self._next_try(failure)
+        self.proxy.metrics.on_migration(migration_reason(cause))
+        offer = cause.offer if isinstance(cause, Handover) else None
+        if not (offer is not None and self._move_try(offer)):
+            await self._next_try(cause)
         await self._answer(None)
 
-    def _move_try(self, move: dict[str, Any]) -> bool:
-        """The next attempt takes the KV the draining decode offers where `move` says, on
-        another decode (False: none can; then the tokens are replayed on a pair)."""
+    def _move_try(self, offer: KVOffer) -> bool:
+        """The next attempt takes the KV the draining decode offers, on another decode (False:
+        none can; then the tokens are replayed on a pair)."""
         source = self.attempt.d
         self.tries += 1
-        target = self.move(self.base.retried(self.tries), source, move) if self.move else None
+        target = self.move(self.base.retried(self.tries), source, offer) if self.move else None
         if target is None:
             return False
         req, decode = target
@@ -250,10 +273,11 @@ class Exchange:
         base = self.proxy.config.retry_backoff_s * 2 ** self.retries
         await asyncio.sleep(base * random.uniform(0.5, 1.0))
 
-    async def _next_try(self, failure: UpstreamFailure) -> None:
+    async def _next_try(self, cause: Cause) -> None:
         """The next attempt, on another pair if there is one; with no ready pair at all, the
-        first that is ready within `--retry-wait-s` (raises the failure when none is, or when
-        the request is cancelled or out of time meanwhile)."""
+        first that is ready within `--retry-wait-s` (when none is, or the request is cancelled
+        or out of time meanwhile, raises the failure, or after a hand-over the RouterError).
+        A try after a failure counts as a retry; one after a hand-over does not."""
         self.tries += 1
         config = self.proxy.config
         until = min(time.monotonic() + config.retry_wait_s,
@@ -265,14 +289,13 @@ class Exchange:
                 break
             except RouterError as e:
                 if self.cancelled or time.monotonic() >= until:
-                    log.info("%s: no try after %s %s: %s", self.req.rid, failure.side,
-                             failure.reason, e)
-                    raise failure from None
+                    log.info("%s: no try after %s: %s", self.req.rid, _why(cause), e)
+                    raise (cause if isinstance(cause, UpstreamFailure) else e) from None
             await self.recheck()
-        log.info("%s: try %d on prefill %s, decode %s after %s %s: %s", self.req.rid,
-                 self.tries + 1, prefill.url if prefill else "(none)", decode.url, failure.side,
-                 failure.reason, failure.code)
-        self.proxy.metrics.on_retry(failure.side, failure.reason)
+        log.info("%s: try %d on prefill %s, decode %s after %s", self.req.rid, self.tries + 1,
+                 prefill.url if prefill else "(none)", decode.url, _why(cause))
+        if isinstance(cause, UpstreamFailure):
+            self.proxy.metrics.on_retry(cause.side, cause.reason)
         self.attempt = self._start(req, prefill, decode)
 
     async def _events(self) -> AsyncIterator[bytes]:
@@ -304,6 +327,24 @@ class Exchange:
         if self.follower is not None:
             return self.follower.event(payload)
         return with_client_rid(payload, self.req.client_rid, self.attempt.req.rid)
+
+
+def migration_reason(cause: Cause) -> str:
+    """The `reason` label of a migration: the hand-over's (`kv_move`, `drained`) or the
+    failure's."""
+    if isinstance(cause, Handover):
+        return "kv_move" if cause.kind == "moved" else "drained"
+    return cause.reason
+
+
+def _why(cause: Cause) -> str:
+    if isinstance(cause, Handover):
+        return f"decode hand-over ({cause.kind})"
+    return f"{cause.side} {cause.reason}: {cause.code}"
+
+
+def _data(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body, ensure_ascii=False)}".encode()
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -56,7 +56,8 @@ class RouterMetrics:
             "(--fallback colocated)", registry=r)
         self.migrations = Counter(
             "baton_router_migrations",
-            "Streams moved to another pair after their first byte, by the decode's failure",
+            "Streams moved to another decode after their first byte, by why: a draining "
+            "decode's hand-over (kv_move, drained) or the decode's failure",
             ["reason"], registry=r)
         self.kv_migrations = Counter(
             "baton_kv_migrations",

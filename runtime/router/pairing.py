@@ -12,11 +12,10 @@ itself (no prefill: `None`), else a 503 names the cause.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, TypeGuard
 
 from runtime.auth.key import ClusterKey
+from runtime.handover import KVOffer
 from runtime.router.config import RouterConfig
 from runtime.router.errors import unavailable
 from runtime.router.metrics import RouterMetrics
@@ -66,23 +65,19 @@ class Pairing:
             return req
         return replace(req, ids=prompt_ids(req.parsed, self.tokenizer.get()))
 
-    def move(self, req: RoutedRequest, source: Worker, move: Mapping[str, Any],
+    def move(self, req: RoutedRequest, source: Worker, offer: KVOffer,
              ) -> tuple[RoutedRequest, Worker] | None:
         """A ready decode to take over `req` from `source`, a draining decode that offers
-        the stream's KV where `move` says (runtime/disagg/move.py), with `req` addressed and
+        the stream's KV where `offer` says (runtime/disagg/move.py), with `req` addressed and
         signed for it; None when no decode can (the stream's tokens are replayed instead)."""
-        host, port, room = (move.get(k) for k in ("bootstrap_host", "bootstrap_port",
-                                                  "bootstrap_room"))
-        if not (isinstance(host, str) and host and _whole(port, 1, 1 << 16)
-                and _whole(room, 0, 1 << 63) and source.instance_id
-                and move.get("instance_id") == source.instance_id):
+        if not source.instance_id or offer.instance_id != source.instance_id:
             return None
         decodes = [d for d in self.workers.decode.ready()
                    if d is not source and d.kv_transfer == source.kv_transfer]
         if not decodes:
             return None
         decode = least_loaded(decodes)
-        moved = req.moved(host, port, room)
+        moved = req.moved(offer.host, offer.port, offer.room)
         return moved.signed(self.key, source, decode, self.config.ticket_ttl_s), decode
 
     def _fallback(self, avoided: set[Worker]) -> Worker:
@@ -108,7 +103,3 @@ class Pairing:
             return None
         return self.workers.unready_reason()
 
-
-def _whole(value: Any, low: int, end: int) -> TypeGuard[int]:
-    """An int (not a bool) in [low, end)."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < end

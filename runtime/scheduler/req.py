@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import KV_MOVED, FinishKind, FinishReason
+from runtime.messages import FinishKind, FinishReason, KVOffer
 from runtime.sampling_params import SamplingParams
 
 
@@ -98,12 +98,12 @@ class Req:
         self.sampling_params = dataclasses.replace(self.sampling_params, max_new_tokens=1)
         self.hand_off = True
 
-    def split_off(self, rid: str, room: int, move: dict[str, Any]) -> Req:
+    def split_off(self, rid: str, room: int, offer: KVOffer) -> Req:
         """Decode role, draining: this request goes on on another decode (runtime/disagg/
         move.py). The new request `rid` holds this one's KV and seed; its prompt is the prompt
         and every output token but the newest (the tokens whose KV is written), and the newest
         token is its first, as a prefill hands a request over. This one keeps the tokens its
-        client has or is due, and ends with the `move` that says where it went."""
+        client has or is due, and ends "moved", with the `offer` that says where it went."""
         moved = Req(rid, self.fill_ids[:-1], self.sampling_params, self.stream,
                     self.return_logprob, self.top_logprobs_num, bootstrap_room=room,
                     hand_off=True, seed=self.seed, cache_salt=self.cache_salt,
@@ -119,7 +119,7 @@ class Req:
             setattr(moved, name, getattr(self, name))
         self.req_pool_idx, self.kv_pages, self.cache_node = None, [], None
         self.kv_len = self.computed_len = 0
-        self.finished_reason = FinishReason("abort", message=KV_MOVED, move=move)
+        self.finished_reason = FinishReason("moved", offer=offer)
         return moved
 
     def penalty_history(self, outputs: list[int]) -> tuple[list[int], list[int]]:

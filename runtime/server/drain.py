@@ -1,6 +1,7 @@
 """Draining on SIGTERM: stop taking work, give what is in flight a grace period, then end it
 with the documented abort finish, so every client gets a finish reason and `[DONE]` (never a
-cut stream or a 500) within grace + ABORT_WAIT_S, however long one forward takes.
+cut stream or a 500) within grace + ABORT_WAIT_S, however long one forward takes. A decode ends
+it as "drained" instead, a hand-over its router continues elsewhere (runtime/handover.py).
 
 The HTTP listener stays open meanwhile: new requests and `/ready` answer 503 (a load balancer
 sees the server leave) rather than connections being refused.
@@ -53,7 +54,10 @@ async def drain(tm: TokenizerManager, grace_s: float) -> None:
     if await _idle_within(tm, grace_s):
         return
     log.info("grace period over: aborting %d request(s)", len(tm.states))
-    tm.abort_all(SHUTTING_DOWN)
+    if tm.args.role == "decode":
+        tm.drain_all()  # its router continues each stream elsewhere: a hand-over
+    else:
+        tm.abort_all(SHUTTING_DOWN)
     if not await _idle_within(tm, ABORT_WAIT_S):
         log.warning("the scheduler has not ended %d aborted request(s) in %.0f s; ending them "
                     "here", len(tm.states), ABORT_WAIT_S)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import error_body
-from runtime.messages import KV_MOVED, FinishReason, GenerateRequest, ReqOutput
+from runtime.handover import Handover
+from runtime.messages import FinishReason, GenerateRequest, ReqOutput
 from runtime.protocol import Resume
 from runtime.server.detokenizer import IncrementalDetokenizer
 from runtime.server.tokenizer_manager import (
@@ -32,20 +33,18 @@ class KVTransferFailed(RuntimeError):
     """A prefill/decode request whose KV handoff failed (the message says why): a 502."""
 
 
-class KVMoved(SchedulerUnavailable):
-    """A draining decode moved the request, KV and all (runtime/disagg/move.py): its stream
-    ends with an error event that says where it goes on (`kv_move`), which the router follows
-    (docs/router.md "Migration"); before any response, a 503."""
+class HandedOver(SchedulerUnavailable):
+    """A draining decode handed the request over (runtime/handover.py), once its last tokens
+    are out: its stream ends with the hand-over event (`handover_event`), which its router
+    follows (docs/router.md "Migration"); before any response, a 503."""
 
-    def __init__(self, move: dict[str, Any]) -> None:
-        super().__init__(f"{SHUTTING_DOWN}: {KV_MOVED}")
-        self.move = move
+    def __init__(self, handover: Handover) -> None:
+        super().__init__(f"{SHUTTING_DOWN}: {handover.message}")
+        self.handover = handover
 
 
 def stream_error(e: Exception) -> dict[str, Any]:
     """The in-band error event that ends a stream which failed mid-way."""
-    if isinstance(e, KVMoved):
-        return {**error_body(str(e), "service_unavailable", "kv_moved"), "kv_move": e.move}
     return error_body(str(e), "server_error", "stream_failed")
 
 
@@ -98,15 +97,15 @@ class Generation:
             self.detok.prime(resume.output_ids, resume.text_chars)
         self.prompt_tokens = len(req.input_ids) - self.resumed
         self.finished = False
-        self.moved: dict[str, Any] | None = None  # where it went, once its tokens are out
+        self.handed_over: Handover | None = None  # how it goes on, once its tokens are out
         self.state: ReqState = tm.submit(req, group)
 
     async def next(self) -> Delta:
         """The next delta; raises InvalidRequest if the scheduler refused the request, and
-        KVMoved once a request moved away has delivered its last tokens."""
-        if self.moved is not None:
+        HandedOver once a request handed over has delivered its last tokens."""
+        if self.handed_over is not None:
             self.finished = True
-            raise KVMoved(self.moved)
+            raise HandedOver(self.handed_over)
         try:
             out = await self.tm.next_output(self.state, self.timeout)
         except RequestTimeout as e:
@@ -118,15 +117,14 @@ class Generation:
 
     def _delta(self, out: ReqOutput) -> Delta:
         reason = out.finished_reason
-        if reason is not None and reason.move is not None:
-            self.moved, reason = reason.move, None  # its tokens go out first, if any
+        handover = reason.handover() if reason is not None else None
+        if handover is not None:
+            self.handed_over, reason = handover, None  # its tokens go out first, if any
             if not out.output_ids:
                 self.finished = True
-                raise KVMoved(self.moved)
+                raise HandedOver(handover)
         if reason is not None:
             self.finished = True
-            if self._handed_back(reason):
-                raise SchedulerUnavailable(f"{SHUTTING_DOWN}: the request goes on elsewhere")
             text = self.detok.finish(out.output_ids, reason)
         else:
             text = self.detok.push(out.output_ids)
@@ -142,13 +140,6 @@ class Generation:
             top_logprobs=out.output_top_logprobs,
             customized_info=dict(out.customized_info or {}),
         )
-
-    def _handed_back(self, reason: FinishReason) -> bool:
-        """A decode that drains ends what the grace period left as an error, not a finish:
-        its router then moves the stream to another decode (docs/router.md "Migration"), and
-        a request that had not answered yet is tried again elsewhere (a 503)."""
-        return (self.tm.args.role == "decode" and reason.kind == "abort"
-                and reason.message == SHUTTING_DOWN)
 
     async def _abort_and_wait(self, message: str) -> ReqOutput:
         self.tm.abort(self.rid, message)

@@ -2,7 +2,9 @@
 
 /generate returns {"text", "output_ids", "meta_info"} like Engine.generate. Streaming sends the
 same shape per chunk, incrementally: each event carries only the new text, output_ids,
-logprobs and customized_info values (coalesced when several scheduler outputs queued up).
+logprobs and customized_info values (coalesced when several scheduler outputs queued up). A
+stream a draining decode hands over ends with an event of no tokens whose finish reason's type is
+the hand-over's kind ("moved", "drained") and that carries `handover` (runtime/handover.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.errors import error_body
-from runtime.messages import GenerateRequest
+from runtime.messages import FinishReason, GenerateRequest
 from runtime.protocol import AbortBody, GenerateBody
 from runtime.result import generate_result
 from runtime.sampling_params import SamplingParams
@@ -25,6 +27,7 @@ from runtime.server import sse
 from runtime.server.generation import (
     Delta,
     Generation,
+    HandedOver,
     finish,
     interleave,
     start,
@@ -82,9 +85,16 @@ async def generate(body: GenerateBody, request: Request) -> Response:
 
 
 async def _events(gens: list[Generation], firsts: list[Delta], rid: str) -> AsyncIterator[str]:
+    last = firsts[-1]
     try:
         async for d in interleave(gens, firsts):
+            last = d
             yield sse.event(result(rid, d))
+    except HandedOver as e:  # no tokens: its finish reason is the hand-over's kind
+        ended = FinishReason(e.handover.kind, message=e.handover.message)
+        out = generate_result(rid, "", [], last.prompt_tokens, last.completion_tokens, ended,
+                              cached_tokens=last.cached_tokens)
+        yield sse.event({**out, "handover": e.handover.to_wire()})
     except Exception as e:
         yield sse.event(stream_error(e))
     yield sse.DONE

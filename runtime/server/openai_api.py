@@ -2,7 +2,8 @@
 
 `n` choices and list prompts become distinct scheduler requests (choice index = prompt * n + j;
 with a `seed`, choice j samples with seed + j). Streams end in `data: [DONE]`; with
-`stream_options.include_usage` a last chunk carries `usage` and no choices.
+`stream_options.include_usage` a last chunk carries `usage` and no choices. A stream a draining
+decode hands over ends with a chunk of no choices that carries `handover` (runtime/handover.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from runtime.server.errors import ApiError
 from runtime.server.generation import (
     Delta,
     Generation,
+    HandedOver,
     finish,
     interleave,
     start,
@@ -118,6 +120,8 @@ async def _completion_events(
                 offsets[d.index] += len(d.text)
                 _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("text_completion", rid, body.model, [choice]))
+    except HandedOver as e:
+        yield sse.event(_handover_chunk("text_completion", rid, body, e))
     except Exception as e:  # mid-stream: the status line is gone, report in-band
         yield sse.event(stream_error(e))
     for event in _stream_tail("text_completion", rid, body, prompt_tokens, last):
@@ -160,6 +164,8 @@ async def _chat_events(
                 choice = fmt.chat_chunk_choice(tm.tokenizer, d, first)
                 _token_ids(body, choice, d)
                 yield sse.event(fmt.envelope("chat.completion.chunk", rid, body.model, [choice]))
+    except HandedOver as e:
+        yield sse.event(_handover_chunk("chat.completion.chunk", rid, body, e))
     except Exception as e:
         yield sse.event(stream_error(e))
     for event in _stream_tail("chat.completion.chunk", rid, body, prompt_tokens, last):
@@ -170,6 +176,14 @@ def _token_ids(body: SamplingFields, choice: dict[str, Any], d: Delta) -> None:
     """A router following the stream's tokens (to resume it elsewhere) asked for them."""
     if body.return_token_ids:
         choice["token_ids"] = list(d.output_ids)
+
+
+def _handover_chunk(kind: str, rid: str, body: SamplingFields, e: HandedOver) -> dict[str, Any]:
+    """The chunk that says a draining decode handed the stream over (runtime/handover.py): no
+    choices (as the usage chunk), and `handover`."""
+    chunk = fmt.envelope(kind, rid, body.model, [])
+    chunk["handover"] = e.handover.to_wire()
+    return chunk
 
 
 def _stream_tail(

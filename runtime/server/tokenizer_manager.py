@@ -69,6 +69,7 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: RequestError | None = None
     lost: str | None = None  # the scheduler died owing it more: why (a failure, not a finish)
+    drained: bool = False  # ended by a drain that hands it over (`drain_all`): not an abort
     finished: bool = False
     created: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
@@ -113,6 +114,14 @@ class TokenizerManager:
     def abort_all(self, message: str = SHUTTING_DOWN) -> None:
         for rid in list(self.states):
             self.abort(rid, message)
+
+    def drain_all(self) -> None:
+        """A decode's grace period is over: abort every request in flight, and let each one's
+        abort finish come back as "drained" (runtime/handover.py), a hand-over its router
+        continues elsewhere rather than a failure."""
+        for state in list(self.states.values()):
+            state.drained = True
+            self.abort(state.rid, SHUTTING_DOWN)
 
     def end_streams(self) -> None:
         """End the long-lived streams (GET /kv_events): the server is going away."""
@@ -323,6 +332,9 @@ class TokenizerManager:
         if out.output_ids:
             self.metrics.on_tokens(len(out.output_ids), since, first, now - state.created)
             state.last_token_at = now
+        reason = out.finished_reason
+        if state.drained and reason is not None and reason.kind == "abort":
+            out.finished_reason = FinishReason("drained", message=reason.message)
         state.outputs.append(out)
         state.event.set()
         if out.finished:

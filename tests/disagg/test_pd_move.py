@@ -24,6 +24,7 @@ from tests.disagg.test_pd_retry import (
     ask,
     deploy,
     events,
+    family,
     prompt,
 )
 
@@ -97,7 +98,9 @@ def test_a_draining_decode_moves_its_streams_with_their_kv(sharp_tiny_path: Path
         assert on_victim[0] >= 3, "too few streams on the victim to show anything"
         moved = metric(router, "baton_kv_migrations_total")
         assert moved == on_victim[0], "every stream on the victim moved with its KV"
-        assert metric(router, 'baton_router_migrations_total{reason="kv_move"}') == moved
+        migrations = family(router, "baton_router_migrations_total")
+        assert migrations == {'{reason="kv_move"}': moved}, migrations  # a hand-over, each
+        assert family(router, "baton_router_upstream_failures_total") == {}  # none a failure
         assert requests_done(prefill.url) - before == 8  # the first prefills only
         # the moved KV is the streams' own: its slot tags checked on arrival and every step
         taker = dep.decodes[1].url

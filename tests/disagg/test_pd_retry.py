@@ -175,13 +175,19 @@ def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(two_prefills: De
     eventually(lambda: kv_free(dep.decodes[0].url) and kv_free(dep.prefills[1].url))
 
 
+def family(url: str, name: str) -> dict[str, float]:
+    """Every sample of the counter `name` on /metrics, by its labels."""
+    return {line.split()[0][len(name):]: float(line.split()[-1])
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith((f"{name}{{", f"{name} "))}
+
+
 def assert_streams_move(dep: Deployment, undisturbed: list[list[int]], disturb: Any) -> None:
     """8 long streams, `disturb` run once they are all mid-way: each equals its undisturbed
     run, the victim's (3 or more) moved to the other decode, and the survivors' KV is free."""
     disturbed = asyncio.run(ask_all(dep.router.url, 8, disturb, stream=True, max_new=LONG))
     assert disturbed == undisturbed
-    moved = sum(float(line.split()[-1]) for line in httpx.get(f"{dep.router.url}/metrics")
-                .text.splitlines() if line.startswith("baton_router_migrations_total{"))
+    moved = sum(family(dep.router.url, "baton_router_migrations_total").values())
     assert moved >= 3, "the streams on the victim did not move"
     eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
 
@@ -227,9 +233,9 @@ def test_with_every_prefill_gone_a_local_decode_answers(sharp_tiny_path: Path, t
 
 def test_a_draining_decode_hands_its_streams_on(sharp_tiny_path: Path, tmp_path: Path) -> None:
     """SIGTERM of a decode (without --move-kv-on-drain: tests/disagg/test_pd_move.py has it)
-    streaming 3+ of 8 streams (grace 0.1 s): what the grace period leaves ends as an error its
-    router moves to the other decode, so every stream completes, token-exact, and the decode
-    exits cleanly."""
+    streaming 3+ of 8 streams (grace 0.1 s): what the grace period leaves ends as a "drained"
+    hand-over, not an error: its router moves each to the other decode (a migration, no
+    upstream failure), so every stream completes, token-exact, and the decode exits cleanly."""
     dep = deploy(sharp_tiny_path, tmp_path, 1, 2,
                  decode_args=(*ROOMY, "--shutdown-grace-s", "0.1"))
     try:
@@ -241,6 +247,9 @@ def test_a_draining_decode_hands_its_streams_on(sharp_tiny_path: Path, tmp_path:
             victim.terminate()
 
         assert_streams_move(dep, undisturbed, drain_mid_stream)
+        migrations = family(dep.router.url, "baton_router_migrations_total")
+        assert set(migrations) == {'{reason="drained"}'}, migrations  # a hand-over, each
+        assert family(dep.router.url, "baton_router_upstream_failures_total") == {}
         assert victim.proc.wait(30) == 0
     finally:
         dep.stop()

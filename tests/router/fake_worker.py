@@ -11,8 +11,11 @@ router passes on: `{"fake": {"prefill": {...}, "decode": {...}}}` with
 - `every_s`: wait this long before each event after the first (a steady stream);
 - `die_after`: drop the connection after this many events (no [DONE]);
 - `error_after`: after this many events, an in-band error event, then [DONE];
-- `move_after` with `move` (bootstrap host, port, room): after this many events, the error
-  event of a draining decode that moved the stream's KV (`kv_move`, with its instance id);
+- `move_after` with `move` (bootstrap host, port, room): after this many events, the hand-over
+  event of a draining decode that moved the stream's KV ("moved", its offer naming its instance
+  id), then [DONE];
+- `drain_after`: after this many events, the hand-over event of a draining decode whose grace
+  period ended ("drained"), then [DONE];
 - `delay_s`: wait this long before answering;
 - `linger_s`: keep the stream open this long after `data: [DONE]`.
 A stream with `resume` starts at event len(resume.output_ids) (event i is token i, "toki ").
@@ -178,10 +181,11 @@ class FakeWorker:
                                       "code": "stream_failed", "param": None}})
                 break
             if steer.get("move_after") == i:  # as a draining decode that moved the KV away
-                yield _sse({"error": {"message": "shutting down: its KV moved",
-                                      "type": "service_unavailable", "code": "kv_moved",
-                                      "param": None},
-                            "kv_move": {"instance_id": self.instance_id, **steer["move"]}})
+                offer = {"instance_id": self.instance_id, **steer["move"]}
+                yield _sse(_handover(path, body, {"kind": "moved", "kv_offer": offer}))
+                break
+            if steer.get("drain_after") == i:  # as a decode whose grace period ended
+                yield _sse(_handover(path, body, {"kind": "drained", "kv_offer": None}))
                 break
             last = i == chunks - 1
             self.sent_at.append(time.monotonic())
@@ -199,6 +203,18 @@ class FakeWorker:
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _handover(path: str, body: dict[str, Any], handover: dict[str, Any]) -> dict[str, Any]:
+    """A hand-over event (runtime/handover.py): no tokens, and `handover`."""
+    handover = {**handover, "message": f"the server is draining ({handover['kind']})"}
+    if path == "/generate":
+        meta = {"id": body["rid"], "completion_tokens": 0,
+                "finish_reason": {"type": handover["kind"]}}
+        return {"text": "", "output_ids": [], "meta_info": meta, "handover": handover}
+    kind = "text_completion" if path == "/v1/completions" else "chat.completion.chunk"
+    return {"id": f"cmpl-{body['rid']}", "object": kind, "created": int(time.time()),
+            "model": body.get("model", "fake"), "choices": [], "handover": handover}
 
 
 def _result(path: str, body: dict[str, Any], n: int, finish: str) -> dict[str, Any]:

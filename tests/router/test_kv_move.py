@@ -1,8 +1,10 @@
 """A draining decode that moves a stream's KV away (runtime/disagg/move.py) ends its stream
-with a `kv_move` error event: the router continues the stream on another decode that fetches
-that KV from the draining one, with no prefill involved; when that fails, or nothing can take
-it, the tokens are replayed on a fresh pair as for any broken stream (docs/router.md
-"Migration"). Stand-in workers over real HTTP; the real thing: tests/disagg/test_pd_move.py."""
+with a "moved" hand-over event (runtime/handover.py): the router continues the stream on another
+decode that fetches that KV from the draining one, with no prefill involved; when that fails,
+or nothing can take it, the tokens are replayed on a fresh pair. A "drained" hand-over (the
+grace period ended) is replayed. Either is a migration, never an upstream failure (docs/router.md
+"Migration"). Stand-in workers over real HTTP; the real thing: tests/disagg/test_pd_move.py and
+test_pd_retry.py."""
 
 from __future__ import annotations
 
@@ -48,7 +50,51 @@ def test_a_moved_stream_goes_on_where_its_kv_went(workers: Any, router: Any, pat
     assert len(p.received) == 1  # the prefill computed nothing for the move
     assert metric(r, "baton_kv_migrations_total") == 1
     assert metric(r, 'baton_router_migrations_total{reason="kv_move"}') == 1
+    assert metric(r, "baton_router_migrations_total") == 1
+    # a planned hand-over: no failure, no retry
+    assert metric(r, "baton_router_upstream_failures_total") == 0
+    assert metric(r, "baton_router_retries_total") == 0
     assert 'status="200"} 1.0' in r.metrics()
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_drained_stream_is_replayed_without_a_failure(workers: Any, router: Any,
+                                                       path: str) -> None:
+    r, p, ds = moving_deployment(workers, router)
+    ds[0].steer = {"drain_after": 2}
+    body = {**BODIES[path], "stream": True, "fake": {"decode": {"chunks": 5}}}
+    status, got = sse(r.client, path, body)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert not any("error" in e or "handover" in e for e in got[:-1]), got
+    assert contents(path, got) == [f"tok{i} " for i in range(5)]  # each token once
+    replay = ds[1].generation().body
+    assert replay["resume"] == {"output_ids": [0, 1], "text_chars": len("tok0 tok1 ")}
+    assert replay["bootstrap_port"] == p.bootstrap_port  # a pair's: the prefill recomputes
+    assert p.generation(replay["rid"]).body["resume"] == replay["resume"]
+    assert metric(r, 'baton_router_migrations_total{reason="drained"}') == 1
+    assert metric(r, "baton_router_migrations_total") == 1
+    assert metric(r, "baton_router_upstream_failures_total") == 0
+    assert metric(r, "baton_router_retries_total") == 0
+    assert metric(r, "baton_kv_migrations_total") == 0
+
+
+def test_a_hand_over_that_cannot_go_on_reaches_the_client_without_its_offer(
+        workers: Any, router: Any) -> None:
+    """Migrations spent: the client gets the hand-over as a direct client of the decode would,
+    without the KV plane's address, then [DONE]; still no failure."""
+    r, _, ds = moving_deployment(workers, router, "--max-migrations", "1")
+    ds[1].steer = {"drain_after": 3}  # where the moved stream goes on, drained too
+    body = {**BODIES["/v1/chat/completions"], "stream": True, "fake": {"decode": {"chunks": 5}}}
+    status, got = sse(r.client, "/v1/chat/completions", body)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert contents("/v1/chat/completions", got) == ["tok0 ", "tok1 ", "tok2 "]
+    last = got[-2]
+    assert last["handover"]["kind"] == "drained" and last["handover"]["kv_offer"] is None
+    assert last["choices"] == [] and last["id"] == got[0]["id"]  # the client's first chunk's
+    assert not any("error" in e for e in got[:-1]), got
+    assert all(c["finish_reason"] is None for e in got[:-1] for c in e["choices"])
+    assert metric(r, 'baton_router_migrations_total{reason="kv_move"}') == 1
+    assert metric(r, "baton_router_upstream_failures_total") == 0
 
 
 @pytest.mark.parametrize("refusal", ["fetch_fails", "a_400"])

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from runtime.config import ServerArgs
+from runtime.handover import Handover, KVOffer
 from runtime.messages import (
     BatchOutput,
     FinishReason,
@@ -19,9 +20,9 @@ from runtime.messages import (
     SchedulerStats,
 )
 from runtime.sampling_params import InvalidRequest
-from runtime.server.generation import Generation, finish, start
+from runtime.server.generation import Generation, HandedOver, finish, start
 from runtime.server.metrics import Metrics
-from runtime.server.tokenizer_manager import TokenizerManager
+from runtime.server.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
 
 def _tm(tokenizer: Any, tmp_path: Path) -> TokenizerManager:
@@ -93,4 +94,44 @@ async def test_timeout_without_output_aborts(
     delta = await gen.next()
     assert delta.finish_reason is not None and delta.finish_reason.kind == "abort"
     assert "timed out" in (delta.finish_reason.message or "") and gen.finished
+    tm.close()
+
+
+async def test_a_moved_request_hands_over_after_its_last_tokens(tokenizer: Any,
+                                                                 tmp_path: Path) -> None:
+    """A "moved" finish is no finish of the stream: its tokens go out, then HandedOver names
+    where the KV waits (the stream's hand-over event, runtime/handover.py)."""
+    tm = _tm(tokenizer, tmp_path)
+    offer = KVOffer("10.0.0.7", 8999, 42, "decode-0")
+    gen = Generation(tm, GenerateRequest("r", [1, 2], {}, stream=True), 0, timeout=5)
+    tm._dispatch(BatchOutput([ReqOutput("r", [5, 6], 2, 2, FinishReason("moved", offer=offer))]))
+    delta = await gen.next()
+    assert delta.output_ids == [5, 6] and delta.finish_reason is None and not gen.finished
+    with pytest.raises(HandedOver) as e:
+        await gen.next()
+    assert e.value.handover == Handover("moved", offer) and gen.finished
+    tm.close()
+
+
+@pytest.mark.parametrize("drained", [True, False])
+async def test_only_what_a_drain_aborts_comes_back_drained(tokenizer: Any, tmp_path: Path,
+                                                           drained: bool) -> None:
+    """`drain_all` marks what it aborts: its abort finish reads as "drained", a hand-over; any
+    other abort, whatever its message says, stays the abort finish."""
+    tm = _tm(tokenizer, tmp_path)
+    gen = Generation(tm, GenerateRequest("r", [1, 2], {}, stream=True), 0, timeout=5)
+    if drained:
+        tm.drain_all()
+    reason = FinishReason("abort", message=SHUTTING_DOWN)
+    tm._dispatch(BatchOutput([ReqOutput("r", [5], 2, 1, finished_reason=reason)]))
+    delta = await gen.next()
+    assert delta.output_ids == [5]  # its tokens first, either way
+    if drained:
+        assert delta.finish_reason is None
+        with pytest.raises(HandedOver) as e:
+            await gen.next()
+        assert e.value.handover == Handover("drained")
+    else:
+        assert delta.finish_reason == reason
+    assert gen.finished
     tm.close()
