@@ -40,7 +40,8 @@ from runtime.disagg.lanes import Lanes
 from runtime.disagg.move import Mover
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
 from runtime.disagg.receiver import KVReceiver
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomTable, count_states
+from runtime.disagg.states import PHASES, RoomState
 from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, RoomRequest
@@ -103,7 +104,7 @@ class DecodeRole(Generic[R]):
         if req.bootstrap_room in self.rooms:
             raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
         addr = (req.bootstrap_host, req.bootstrap_port)
-        self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room), req, addr))
+        self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room, PHASES), req, addr))
         self.rooms.name(req.rid, req.bootstrap_room)
         self.prealloc.append(req.bootstrap_room)
 
@@ -145,11 +146,11 @@ class DecodeRole(Generic[R]):
     def _preallocate(self) -> None:
         while self.prealloc:
             r = self.rooms.get(self.prealloc[0])
-            if r is None or r.room.state.terminal:
+            if r is None or r.room.ended:
                 self.prealloc.popleft()
                 continue
             incoming = [x.req for x in self.rooms.values()
-                        if x.fence is not None and not x.room.state.terminal]
+                        if x.fence is not None and not x.room.ended]
             if not self.scheduler.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
@@ -164,33 +165,33 @@ class DecodeRole(Generic[R]):
             self._register(r, touched)
             if r.room.state is not RoomState.WAITING_FOR_INPUT:
                 return  # (the KV may have arrived before the prefill's answer to POST /rooms)
-        if (aux := self.transfer.arrived(r.room.room)) is not None:
+        if (aux := self.transfer.arrived(r.room.number)) is not None:
             r.prefill_done = True
-            r.room.advance(RoomState.TRANSFERRING)
+            r.room.move(RoomState.TRANSFERRING)
             self._prebuilt(r, aux, touched)
         elif r.room.waited() > self.config.waiting_timeout_s:  # waiting for input, or to land
             t = self.config.waiting_timeout_s
-            self._fail(r, f"the KV for room {r.room.room} did not arrive within {t:.0f} s",
+            self._fail(r, f"the KV for room {r.room.number} did not arrive within {t:.0f} s",
                        touched, "waiting_timeout")
 
     def _register(self, r: _Room[R], touched: list[R]) -> None:
         if r.registering is None:
             if r.fence is not None and self.scheduler.fence_passed(r.fence):
-                request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
+                request = RoomRequest(r.room.number, self.client.me.decode_id, r.req.rid,
                                       len(r.req.origin_input_ids), list(r.req.kv_pages),
                                       self.config.waiting_timeout_s, r.req.bootstrap_ticket)
                 # the prefill the router's ticket names, or the one that answers at the address
-                self.transfer.expect(r.room.room, request.dst_pages, peer_of(r.req.bootstrap_ticket))
+                self.transfer.expect(r.room.number, request.dst_pages, peer_of(r.req.bootstrap_ticket))
                 r.exposed = True
                 r.registering = self.lanes.submit(r.addr, self.client.register_room, r.addr, request)
                 r.registering.add_done_callback(lambda _: self.wake())
             elif r.room.waited() > self.config.bootstrap_timeout_s:
-                self._fail(r, f"no KV pages for room {r.room.room} within "
+                self._fail(r, f"no KV pages for room {r.room.number} within "
                            f"{self.config.bootstrap_timeout_s:.0f} s", touched, "bootstrap_timeout")
         elif r.registering.done():
             error = r.registering.exception()
             if error is None:
-                r.room.advance(RoomState.WAITING_FOR_INPUT)
+                r.room.move(RoomState.WAITING_FOR_INPUT)
             else:
                 r.exposed = isinstance(error, Ambiguous)
                 kind = "room_in_use" if isinstance(error, RoomInUse) else "refused"
@@ -209,10 +210,10 @@ class DecodeRole(Generic[R]):
         top = [(int(t), float(lp)) for t, lp in aux.top_logprobs] if aux.top_logprobs else None
         r.req.append_token(aux.token, aux.logprob, top, aux.customized_info)
         r.req.cached_tokens = aux.cached_tokens
-        r.room.advance(RoomState.SUCCESS)
+        r.room.move(RoomState.SUCCESS)
         self.stats.transfers += 1
         self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
-        self.transfer.discard(r.room.room)
+        self.transfer.discard(r.room.number)
         self._drop(r)
         touched.extend(self.scheduler.process_prebuilt([r.req]))
 
@@ -231,28 +232,28 @@ class DecodeRole(Generic[R]):
         if not r.req.finished:
             r.req.finish("abort", reason)
             touched.append(r.req)
-        log.info("room %d failed: %s", r.room.room, reason)
+        log.info("room %d failed: %s", r.room.number, reason)
         self._settle(r)
 
     def _settle(self, r: _Room[R]) -> None:
         """A failed room: free its pages once no write for it can land in them."""
         if not self._writes_over(r):
             return
-        if not r.prefill_done and self.transfer.arrived(r.room.room) is not None:
+        if not r.prefill_done and self.transfer.arrived(r.room.number) is not None:
             self.tally.add("late_write_contained")  # it came after we gave up: pages kept back
         self.kv.release(r.req)
-        self.transfer.discard(r.room.room)
+        self.transfer.discard(r.room.number)
         self._drop(r)
 
     def _writes_over(self, r: _Room[R]) -> bool:
-        closed = self.transfer.revoke(r.room.room)  # no write is admitted at our door from now
+        closed = self.transfer.revoke(r.room.number)  # no write is admitted at our door from now
         told = self._cancel(r)  # so the prefill neither computes nor sends it for nothing
         if not self.transfer.one_sided:
             return closed  # False while a write is landing: it ends, then we are woken
         if r.registering is not None and not r.registering.done():
             return False  # the prefill may be taking our pages right now
         return (not r.exposed or r.prefill_done or told
-                or self.transfer.arrived(r.room.room) is not None)
+                or self.transfer.arrived(r.room.number) is not None)
 
     def _cancel(self, r: _Room[R]) -> bool:
         """Ask the prefill to cancel the room (again every heartbeat interval until it answers);
@@ -263,14 +264,14 @@ class DecodeRole(Generic[R]):
                 and r.cancel.result():
             return True
         if r.cancel is None or (r.cancel.done() and time.monotonic() >= r.cancel_at):
-            r.cancel = self.lanes.submit(r.addr, self.client.cancel_room, r.addr, r.room.room)
+            r.cancel = self.lanes.submit(r.addr, self.client.cancel_room, r.addr, r.room.number)
             r.cancel.add_done_callback(lambda _: self.wake())
             r.cancel_at = time.monotonic() + self.config.heartbeat_interval_s
         return False
 
     def _prefill_gone(self, addr: Address, touched: list[R]) -> None:
         rooms = [r for r in self.rooms.values() if r.addr == addr]
-        prefills = {self.transfer.peer_of(r.room.room) for r in rooms}
+        prefills = {self.transfer.peer_of(r.room.number) for r in rooms}
         for r in rooms:
             self._fail(r, f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
                        touched, "prefill_gone")
@@ -279,10 +280,10 @@ class DecodeRole(Generic[R]):
         self.client.forget(addr)  # whoever answers there next is introduced anew
 
     def _watched(self) -> set[Address]:
-        return {r.addr for r in self.rooms.values() if r.exposed and not r.room.state.terminal}
+        return {r.addr for r in self.rooms.values() if r.exposed and not r.room.ended}
 
     def _drop(self, r: _Room[R]) -> None:
-        self.rooms.drop(r.room.room, r.req.rid)
+        self.rooms.drop(r.room.number, r.req.rid)
 
     def abort(self, rid: str, message: str) -> bool:
         r = self.rooms.find(rid)
