@@ -15,6 +15,13 @@ Prefill (runtime/disagg/prefill.py), one room:
   FAILED from every state but SUCCESS
 and, beside it, its request's stage with the scheduler (`Stage`): PENDING -> SCHEDULED ->
 HANDED_OFF, or PENDING -> HANDED_OFF for a request adopted with its KV (runtime/disagg/move.py).
+
+Decode (runtime/disagg/decode.py), one room:
+  PREALLOC -> RESERVED -> REGISTERING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
+  and three failed states, which say what the prefill may still do to the room's pages (the
+  fence, docs/kv-plane.md): FAILED_UNSEEN (it never had them), FAILED (it may still write
+  them), FAILED_SETTLED (it said its last word: its KV or a RoomFailed came). FAILED and
+  FAILED_UNSEEN go on to FAILED_SETTLED when a RoomFailed comes late.
 """
 
 from __future__ import annotations
@@ -130,16 +137,57 @@ STAGE = Machine(
 )
 
 
-_R = RoomState
-PHASES = Machine(  # the decode role's, until it has its own states
-    start=_R.BOOTSTRAPPING,
+class DecodeState(enum.Enum):
+    PREALLOC = "prealloc"  # waits for the pool to have room for its prompt
+    RESERVED = "reserved"  # its pages are taken at a KV fence; waits for the fence to pass
+    REGISTERING = "registering"  # POST /rooms went out: the prefill may know our pages
+    WAITING_FOR_INPUT = "waiting_for_input"  # the prefill took the room: it may write them
+    TRANSFERRING = "transferring"  # (passed through) every page is in place, with its aux record
+    SUCCESS = "success"
+    FAILED_UNSEEN = "failed_unseen"  # failed; the prefill never had our pages
+    FAILED = "failed"  # failed; the prefill may still write our pages (nixl: quarantined)
+    FAILED_SETTLED = "failed_settled"  # failed; the prefill said its last word on the room
+
+
+_D = DecodeState
+DECODE = Machine(
+    start=_D.PREALLOC,
     moves={
-        _R.BOOTSTRAPPING: frozenset({_R.WAITING_FOR_INPUT, _R.FAILED}),
-        _R.WAITING_FOR_INPUT: frozenset({_R.TRANSFERRING, _R.FAILED}),
-        _R.TRANSFERRING: frozenset({_R.SUCCESS, _R.FAILED}),
-        _R.SUCCESS: frozenset(),
-        _R.FAILED: frozenset(),
+        _D.PREALLOC: frozenset({_D.RESERVED, _D.FAILED_UNSEEN}),
+        _D.RESERVED: frozenset({_D.REGISTERING, _D.FAILED_UNSEEN}),
+        # refused: unseen; no answer (or an ambiguous one): it may have them
+        _D.REGISTERING: frozenset({_D.WAITING_FOR_INPUT, _D.FAILED_UNSEEN, _D.FAILED,
+                                   _D.FAILED_SETTLED}),
+        _D.WAITING_FOR_INPUT: frozenset({_D.TRANSFERRING, _D.FAILED, _D.FAILED_SETTLED}),
+        _D.TRANSFERRING: frozenset({_D.SUCCESS, _D.FAILED_SETTLED}),  # its KV is here
+        _D.SUCCESS: frozenset(),
+        _D.FAILED_UNSEEN: frozenset({_D.FAILED_SETTLED}),  # a RoomFailed came late
+        _D.FAILED: frozenset({_D.FAILED_SETTLED}),
+        _D.FAILED_SETTLED: frozenset(),
     },
-    failed=_R.FAILED,
-    phases={s: s for s in RoomState},
+    failed=_D.FAILED,
+    phases={
+        _D.PREALLOC: RoomState.BOOTSTRAPPING,
+        _D.RESERVED: RoomState.BOOTSTRAPPING,
+        _D.REGISTERING: RoomState.BOOTSTRAPPING,
+        _D.WAITING_FOR_INPUT: RoomState.WAITING_FOR_INPUT,
+        _D.TRANSFERRING: RoomState.TRANSFERRING,
+        _D.SUCCESS: RoomState.SUCCESS,
+        _D.FAILED_UNSEEN: RoomState.FAILED,
+        _D.FAILED: RoomState.FAILED,
+        _D.FAILED_SETTLED: RoomState.FAILED,
+    },
 )
+
+# where a failure of a live decode room goes: what the prefill may know of its pages then
+DECODE_FAILS_TO: Mapping[DecodeState, DecodeState] = {
+    _D.PREALLOC: _D.FAILED_UNSEEN,
+    _D.RESERVED: _D.FAILED_UNSEEN,
+    _D.REGISTERING: _D.FAILED,  # the POST may have reached it
+    _D.WAITING_FOR_INPUT: _D.FAILED,
+    _D.TRANSFERRING: _D.FAILED_SETTLED,
+}
+# live, with its pages taken (the prealloc queue keeps their reserve)
+DECODE_RESERVING = frozenset({_D.RESERVED, _D.REGISTERING, _D.WAITING_FOR_INPUT, _D.TRANSFERRING})
+# live, and the prefill may know our pages (its heartbeats are watched)
+DECODE_EXPOSED = frozenset({_D.REGISTERING, _D.WAITING_FOR_INPUT, _D.TRANSFERRING})

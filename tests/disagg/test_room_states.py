@@ -14,10 +14,15 @@ import pytest
 
 from runtime.disagg.rooms import Room
 from runtime.disagg.states import (
+    DECODE,
+    DECODE_EXPOSED,
+    DECODE_FAILS_TO,
+    DECODE_RESERVING,
     PREFILL,
     PREFILL_CANCELS,
     PREFILL_SENDING,
     STAGE,
+    DecodeState,
     IllegalTransition,
     Machine,
     PrefillState,
@@ -26,6 +31,7 @@ from runtime.disagg.states import (
 )
 
 P = PrefillState
+D = DecodeState
 
 _TO_QUEUED = [P.BOOTSTRAPPING, P.WAITING_FOR_INPUT, P.QUEUED]
 PREFILL_LIVES = [
@@ -42,11 +48,25 @@ STAGE_LIVES = [
     [Stage.PENDING, Stage.SCHEDULED, Stage.HANDED_OFF],
     [Stage.PENDING, Stage.HANDED_OFF],  # adopted with its KV (a draining decode's request)
 ]
-MACHINES: list[tuple[str, Machine[Any], list[list[Any]]]] = [
-    ("prefill", PREFILL, PREFILL_LIVES),
-    ("stage", STAGE, STAGE_LIVES),
+_TO_REGISTERING = [D.PREALLOC, D.RESERVED, D.REGISTERING]
+_TO_WAITING = [*_TO_REGISTERING, D.WAITING_FOR_INPUT]
+DECODE_LIVES = [
+    [*_TO_WAITING, D.TRANSFERRING, D.SUCCESS],
+    [D.PREALLOC, D.FAILED_UNSEEN],  # a bootstrap timeout (no pages), an abort
+    [D.PREALLOC, D.RESERVED, D.FAILED_UNSEEN],  # the KV fence never passed
+    [*_TO_REGISTERING, D.FAILED_UNSEEN, D.FAILED_SETTLED],  # refused; its RoomFailed came late
+    [*_TO_REGISTERING, D.FAILED, D.FAILED_SETTLED],  # no clear answer; then a RoomFailed
+    [*_TO_REGISTERING, D.FAILED_SETTLED],  # a RoomFailed before its answer
+    [*_TO_WAITING, D.FAILED],  # the KV did not come, an abort, its prefill gone
+    [*_TO_WAITING, D.FAILED_SETTLED],  # a RoomFailed
+    [*_TO_WAITING, D.TRANSFERRING, D.FAILED_SETTLED],  # a bad aux record, the KV canary
 ]
-ids = [name for name, _, _ in MACHINES]
+MACHINES: list[tuple[str, Machine[Any], list[list[Any]], set[Any]]] = [
+    ("prefill", PREFILL, PREFILL_LIVES, {P.SUCCESS, P.FAILED}),
+    ("stage", STAGE, STAGE_LIVES, {Stage.HANDED_OFF}),
+    ("decode", DECODE, DECODE_LIVES, {D.SUCCESS, D.FAILED_SETTLED}),
+]
+ids = [name for name, *_ in MACHINES]
 
 
 def edges(machine: Machine[Any]) -> set[tuple[Any, Any]]:
@@ -57,28 +77,29 @@ def walked(lives: list[list[Any]]) -> set[tuple[Any, Any]]:
     return {pair for life in lives for pair in itertools.pairwise(life)}
 
 
-@pytest.mark.parametrize(("name", "machine", "lives"), MACHINES, ids=ids)
-def test_every_life_walks_and_ends_terminal(name: str, machine: Machine[Any],
-                                            lives: list[list[Any]]) -> None:
+@pytest.mark.parametrize(("name", "machine", "lives", "terminal"), MACHINES, ids=ids)
+def test_every_life_walks_to_its_end(name: str, machine: Machine[Any], lives: list[list[Any]],
+                                     terminal: set[Any]) -> None:
     for life in lives:
         assert life[0] is machine.start
         state = life[0]
         for to in life[1:]:
             state = machine.move(state, to)
             assert state is to
-        assert machine.terminal(state), f"{name}: {life} ends in a live state"
+        ended = state in terminal or (state in machine.phases and machine.phases[state].terminal)
+        assert ended, f"{name}: {life} ends in a live state"
 
 
-@pytest.mark.parametrize(("name", "machine", "lives"), MACHINES, ids=ids)
-def test_the_lives_are_the_whole_table(name: str, machine: Machine[Any],
-                                       lives: list[list[Any]]) -> None:
+@pytest.mark.parametrize(("name", "machine", "lives", "terminal"), MACHINES, ids=ids)
+def test_the_lives_are_the_whole_table(name: str, machine: Machine[Any], lives: list[list[Any]],
+                                       terminal: set[Any]) -> None:
     assert set(machine.moves) == set(type(machine.start)), f"{name}: a state without a row"
     assert edges(machine) == walked(lives)
 
 
-@pytest.mark.parametrize(("name", "machine", "lives"), MACHINES, ids=ids)
-def test_every_other_move_raises(name: str, machine: Machine[Any],
-                                 lives: list[list[Any]]) -> None:
+@pytest.mark.parametrize(("name", "machine", "lives", "terminal"), MACHINES, ids=ids)
+def test_every_other_move_raises(name: str, machine: Machine[Any], lives: list[list[Any]],
+                                 terminal: set[Any]) -> None:
     states: list[enum.Enum] = list(type(machine.start))
     legal = walked(lives)
     for was, to in itertools.product(states, states):
@@ -87,12 +108,11 @@ def test_every_other_move_raises(name: str, machine: Machine[Any],
                 machine.move(was, to)
 
 
-@pytest.mark.parametrize(("name", "machine", "lives"), MACHINES, ids=ids)
-def test_terminal_states_are_final(name: str, machine: Machine[Any],
-                                   lives: list[list[Any]]) -> None:
-    ends = {life[-1] for life in lives}
-    assert {s for s in machine.moves if machine.terminal(s)} == ends
-    for end, to in itertools.product(ends, type(machine.start)):
+@pytest.mark.parametrize(("name", "machine", "lives", "terminal"), MACHINES, ids=ids)
+def test_terminal_states_are_final(name: str, machine: Machine[Any], lives: list[list[Any]],
+                                   terminal: set[Any]) -> None:
+    assert {s for s in machine.moves if machine.terminal(s)} == terminal
+    for end, to in itertools.product(terminal, type(machine.start)):
         with pytest.raises(IllegalTransition):
             machine.move(end, to)
 
@@ -102,6 +122,11 @@ def test_no_way_back_to_bootstrapping() -> None:
         if was is not P.BOOTSTRAPPING:
             with pytest.raises(IllegalTransition):
                 PREFILL.move(was, P.BOOTSTRAPPING)
+    for was in D:
+        for to in (D.PREALLOC, D.RESERVED, D.REGISTERING):
+            if (was, to) not in walked(DECODE_LIVES):
+                with pytest.raises(IllegalTransition):
+                    DECODE.move(was, to)
 
 
 @pytest.mark.parametrize("end", [P.SUCCESS, P.FAILED])
@@ -144,3 +169,36 @@ def test_a_cancel_takes_only_a_room_whose_write_is_not_claimed() -> None:
     for was, to in PREFILL_CANCELS.items():
         assert PREFILL.move(was, to) is to
     assert {P.QUEUED, P.WRITING, P.CANCELLED_QUEUED} == PREFILL_SENDING
+
+
+def test_a_late_failure_of_a_failed_decode_room_is_a_no_op() -> None:
+    """Failed wins: a room that failed already (and may still be written) stays as it is,
+    though the table lets FAILED go on to FAILED_SETTLED when a RoomFailed comes."""
+    room = Room(11, DECODE)
+    for to in _TO_WAITING[1:]:
+        room.move(to)
+    assert room.fail("the KV did not come") is True and room.state is D.FAILED
+    assert room.fail("its prefill is gone") is False
+    assert (room.state, room.reason) == (D.FAILED, "the KV did not come")
+
+
+def test_a_decode_failure_says_what_the_prefill_may_know() -> None:
+    live = {s for s in D if not DECODE.phases[s].terminal}
+    assert set(DECODE_FAILS_TO) == live
+    for was, to in DECODE_FAILS_TO.items():
+        assert DECODE.move(was, to) is to and DECODE.phases[to] is RoomState.FAILED
+    assert DECODE_FAILS_TO[D.RESERVED] is D.FAILED_UNSEEN  # never offered: never written
+    assert DECODE_FAILS_TO[D.REGISTERING] is D.FAILED  # the offer may have reached it
+    assert DECODE_RESERVING - {D.RESERVED} == DECODE_EXPOSED
+    assert D.PREALLOC not in DECODE_RESERVING
+
+
+def test_the_bootstrap_timeout_counts_from_the_room_s_creation() -> None:
+    room = Room(12, DECODE)
+    since = room.since
+    time.sleep(0.002)
+    room.move(D.RESERVED)
+    room.move(D.REGISTERING)
+    assert room.since == since and room.phase is RoomState.BOOTSTRAPPING
+    room.move(D.WAITING_FOR_INPUT)
+    assert room.since > since and room.phase is RoomState.WAITING_FOR_INPUT
