@@ -3,22 +3,29 @@
 A request (from the router) and its decode server's pages (POST /rooms, from the bootstrap
 server's threads) meet in a room, in either order. The request goes to the scheduler as soon as
 it arrives: its prefill does not wait for the pages, only its transfer does (so the decode's
-registration is off the critical path, and a burst is prefilled together).
-  Bootstrapping      one of the two is here; after --bootstrap-timeout-s alone, it fails (a
+registration is off the critical path, and a burst is prefilled together). A room's states and
+their table are in runtime/disagg/states.py (`PrefillState`, `PREFILL`):
+  BOOTSTRAPPING      one of the two is here; after --bootstrap-timeout-s alone, it fails (a
                      prefilled request's pages are freed then)
-  WaitingForInput    both are; once its last prompt chunk is launched the scheduler hands the
+  WAITING_FOR_INPUT  both are; once its last prompt chunk is launched the scheduler hands the
                      request here (`take`); its first output token shows the forward that
                      wrote its KV has finished
-  Transferring       the sender writes the pages into the decode pool, then the aux record
-  Success / Failed   its pages are freed, the request finishes (length / abort)
-The decode server may cancel a room (DELETE /rooms): until its write starts that is a promise
-never to write (200), after it the write's own answer (the aux record behind the pages, or a
-RoomFailed frame) follows (202). The sender claims the room under the same lock just before it
-writes (`_claim`): a room cancelled by then, or whose decode stopped waiting (`wait_s` of its
+  QUEUED             its write waits for the sender
+  WRITING            the sender claimed it (`_claim`) and writes the pages into the decode pool,
+                     then the aux record
+  SUCCESS / FAILED   its pages are freed, the request finishes (length / abort); it leaves the
+                     table in the same step, under the lock
+and its request's stage with the scheduler (`Stage`): PENDING, SCHEDULED (its prefill runs; the
+scheduler owns its KV), HANDED_OFF (ours, with its KV). The decode server may cancel a room
+(DELETE /rooms): until its write is claimed that is a promise never to write (200): the room
+goes to CANCELLED (failed at the next poll) or, with its write queued, CANCELLED_QUEUED (the
+claim refuses it); once claimed (WRITING) the write's own answer (the aux record behind the
+pages, or a RoomFailed frame) follows (202). The sender claims the room under the same lock just
+before it writes: a room cancelled by then, or whose decode stopped waiting (`wait_s` of its
 RoomRequest), is never written, however late a frozen or slow prefill gets there. A RoomFailed
 frame is sent only once no write for the room is under way (it is the decode's licence to free
 the pages); a nixl WRITE that timed out may still land, so its room is remembered as in doubt
-and a cancel of it is never answered 200.
+(`in_doubt`: the room itself has ended) and a cancel of it is never answered 200.
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import R, SchedulerPort
-from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
+from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomTable, count_states
 from runtime.disagg.sender import KVSender, Sent
+from runtime.disagg.states import PREFILL, PREFILL_CANCELS, PREFILL_SENDING, STAGE, Stage
+from runtime.disagg.states import PrefillState as P
 from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomRequest
@@ -50,18 +59,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Room(Generic[R]):
-    room: Room
+    room: Room[P]  # its state: moved under the role's lock (bootstrap and sender threads move it)
     req: R | None = None
     target: RoomRequest | None = None
     peer: PeerRegistration | None = None
-    cancelled: bool = False  # the decode server cancelled: never write
+    stage: Stage = Stage.PENDING  # its request with the scheduler (the loop's thread only)
     write_by: float = 0.0  # monotonic: no write may start after this (the decode stops waiting)
-    writing: bool = False  # the sender claimed it: a write is under way or done
-    submitted: bool = False  # the request went to the scheduler (prefill runs meanwhile)
-    handed_off: bool = False  # the scheduler is done with it; we own it and its KV
-    sending: Future[Sent] | None = None
+    sending: Future[Sent] | None = None  # from QUEUED on: the sender's answer
     undo: Callable[[], None] | None = None  # of a fault injected into its pages before sending
     fence: int | None = None  # adopted: its pages leave once the scheduler passed this KV fence
+
+    @property
+    def number(self) -> int:
+        return self.room.number
+
+    def to_stage(self, stage: Stage) -> None:
+        self.stage = STAGE.move(self.stage, stage)
+
+
+def _new(number: int) -> _Room[Any]:
+    return _Room(Room(number, PREFILL))
 
 
 @dataclass
@@ -128,7 +145,7 @@ class PrefillRole(Generic[R]):
             peer = self.peers.get(request.decode_id)
             if peer is None:
                 raise UnknownPeer(request.decode_id)
-            r = self.rooms.setdefault(request.room, _Room(Room(request.room)))
+            r = self.rooms.setdefault(request.room, _new(request.room))
             if r.target is not None:
                 raise RoomInUse(f"room {request.room} already has a decode server")
             r.target, r.peer = request, peer
@@ -136,24 +153,25 @@ class PrefillRole(Generic[R]):
         self.wake()
 
     def cancel_room(self, room: int) -> bool:
-        """True promises that no write for `room` will happen (none is under way)."""
+        """True promises that no write for `room` will happen (none is under way). An ended
+        room has left the table under the same lock, so it is never seen here."""
         with self.lock:
             r = self.rooms.get(room)
-            if room in self.in_doubt or (r is not None and r.writing):
+            if room in self.in_doubt or (r is not None and r.room.state is P.WRITING):
                 return False
-            if r is not None:
-                r.cancelled = True
+            if r is not None and r.room.state in PREFILL_CANCELS:
+                r.room.move(PREFILL_CANCELS[r.room.state])
         self.wake()
         return True
 
     def _claim(self, r: _Room[R]) -> None:
         """The sender's thread, just before it writes: raise unless the room may be written."""
         with self.lock:
-            if r.cancelled:
+            if r.room.state is P.CANCELLED_QUEUED:
                 raise TransferError("cancelled by the decode server")
             if time.monotonic() > r.write_by:
-                raise TransferError(f"the decode server stopped waiting for room {r.room.room}")
-            r.writing = True
+                raise TransferError(f"the decode server stopped waiting for room {r.number}")
+            r.room.move(P.WRITING)
 
     # ---- the scheduler loop's side -----------------------------------------------------------
     def add(self, req: R) -> None:
@@ -163,11 +181,13 @@ class PrefillRole(Generic[R]):
         self.scheduler.validate(req)
         req.hand_off_after_prompt()
         with self.lock:
-            r = self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room)))
+            r = self.rooms.setdefault(req.bootstrap_room, _new(req.bootstrap_room))
             if r.req is not None:
                 raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
             r.req = req
-            r.cancelled = r.cancelled or self.cancelled.pop(req.bootstrap_room, None) is not None
+            if r.room.state is not P.CANCELLED \
+                    and self.cancelled.pop(req.bootstrap_room, None) is not None:
+                r.room.move(P.CANCELLED)  # its decode cancelled it before it came
             self.rooms.name(req.rid, req.bootstrap_room)
 
     def adopt(self, req: R, fence: int) -> None:
@@ -176,8 +196,9 @@ class PrefillRole(Generic[R]):
         and its pages leave once every forward launched before `fence` has finished."""
         assert req.bootstrap_room is not None
         with self.lock:
-            r = self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room)))
-            r.req, r.submitted, r.handed_off, r.fence = req, True, True, fence
+            r = self.rooms.setdefault(req.bootstrap_room, _new(req.bootstrap_room))
+            r.req, r.fence = req, fence
+            r.to_stage(Stage.HANDED_OFF)
             self.rooms.name(req.rid, req.bootstrap_room)
 
     def _take_handed_off(self) -> None:
@@ -187,7 +208,7 @@ class PrefillRole(Generic[R]):
             with self.lock:
                 r = self.rooms.find(req.rid)
             if r is not None and r.req is req:
-                r.handed_off = True
+                r.to_stage(Stage.HANDED_OFF)
             else:
                 self.kv.release(req)
 
@@ -206,37 +227,52 @@ class PrefillRole(Generic[R]):
         return touched
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
-        if r.cancelled and r.sending is None:
+        if r.room.state is P.CANCELLED:
             self._fail(r, "cancelled by the decode server", touched, "cancelled")
-            return
-        if r.req is not None and r.submitted and not r.handed_off and r.req.finished:
+        elif r.stage is Stage.SCHEDULED and r.req is not None and r.req.finished:
             # the scheduler ended it (the KV canary caught its prefill): tell the decode server
             self._fail(r, "the prefill server ended the request before sending its KV", touched,
                        "prefill_error")
-            return
-        if r.room.state is RoomState.BOOTSTRAPPING:
-            self._bootstrap(r, touched)  # may find the pages of a request prefilled already
+        else:
+            if r.room.state is P.BOOTSTRAPPING:
+                self._bootstrap(r, touched)  # may find the pages of a request prefilled already
+            self._transfer(r, touched)
+
+    def _transfer(self, r: _Room[R], touched: list[R]) -> None:
         state = r.room.state
-        if state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids \
-                and (r.fence is None or self.scheduler.fence_passed(r.fence)):
-            self._start_transfer(r, touched)
-        elif state is RoomState.TRANSFERRING and r.sending is not None and r.sending.done():
+        if state is P.WAITING_FOR_INPUT and self._ready(r):
+            self._start_transfer(r)
+        elif state in PREFILL_SENDING and r.sending is not None and r.sending.done():
             self._finish_transfer(r, r.sending, touched)
 
+    def _ready(self, r: _Room[R]) -> bool:
+        """Its KV is ours and complete (handed off with its first token) and, when adopted,
+        every forward launched before its hand-over has finished."""
+        return (r.stage is Stage.HANDED_OFF and r.req is not None and bool(r.req.output_ids)
+                and (r.fence is None or self.scheduler.fence_passed(r.fence)))
+
+    def _step(self, r: _Room[R], was: P, to: P) -> bool:
+        """Move `r` from `was` to `to` under the lock; False when a cancel moved it first."""
+        with self.lock:
+            if r.room.state is not was:
+                return False
+            r.room.move(to)
+            return True
+
     def _bootstrap(self, r: _Room[R], touched: list[R]) -> None:
-        if r.req is not None and not r.submitted:
-            r.submitted = True  # prefill now: the decode's pages are needed only to write
+        if r.req is not None and r.stage is Stage.PENDING:
+            r.to_stage(Stage.SCHEDULED)  # prefill now: the decode's pages are needed only to write
             self.scheduler.add_request(r.req)
         if r.req is not None and r.target is not None:
             problem = self._target_problem(r.req, r.target)
             if problem:
                 self._fail(r, problem, touched, "refused")
                 return
-            r.room.advance(RoomState.WAITING_FOR_INPUT)
+            self._step(r, P.BOOTSTRAPPING, P.WAITING_FOR_INPUT)
         elif r.room.waited() > self.config.bootstrap_timeout_s:
             t = self.config.bootstrap_timeout_s
-            why = (f"no decode server asked for room {r.room.room} within {t:.0f} s"
-                   if r.req is not None else f"no request for room {r.room.room} within {t:.0f} s")
+            why = (f"no decode server asked for room {r.number} within {t:.0f} s"
+                   if r.req is not None else f"no request for room {r.number} within {t:.0f} s")
             self._fail(r, why, touched, "bootstrap_timeout")
 
     def _target_problem(self, req: R, target: RoomRequest) -> str | None:
@@ -247,13 +283,11 @@ class PrefillRole(Generic[R]):
             return f"room {target.room}: {len(target.dst_pages)} destination pages for {n} tokens"
         return None
 
-    def _start_transfer(self, r: _Room[R], touched: list[R]) -> None:
+    def _start_transfer(self, r: _Room[R]) -> None:
         req, target, peer = r.req, r.target, r.peer
         assert req is not None and target is not None and peer is not None
-        with self.lock:
-            if r.cancelled:
-                return  # the next poll fails it
-            r.room.advance(RoomState.TRANSFERRING)
+        if not self._step(r, P.WAITING_FOR_INPUT, P.QUEUED):
+            return  # cancelled: the next poll fails it
         src = req.kv_pages[: len(target.dst_pages)]
         tags = sums = None
         if self.canary is not None:
@@ -273,57 +307,64 @@ class PrefillRole(Generic[R]):
         if r.undo is not None:  # the fault went out with the pages; the pages stay sound here
             r.undo()
         error = sending.exception()
-        if isinstance(error, WriteInDoubt):
-            with self.lock:
-                self.in_doubt.add(r.room.room)
         if error is not None:
-            kind = "cancelled" if r.cancelled else "transfer_error"
+            if isinstance(error, WriteInDoubt):
+                with self.lock:
+                    self.in_doubt.add(r.number)
+            kind = "cancelled" if r.room.state is P.CANCELLED_QUEUED else "transfer_error"
             self._fail(r, f"KV transfer to the decode server failed: {error}", touched, kind)
             return
         sent = sending.result()
         self.stats.transfers += 1
         self.stats.transfer_bytes += sent.nbytes
         self.stats.transfer_seconds.append(sent.seconds)
-        r.room.advance(RoomState.SUCCESS)
         assert r.req is not None
         self.kv.release(r.req)
         if not r.req.finished:
             r.req.finish("length", "prefill done: KV sent to the decode server")
             touched.append(r.req)
-        self._drop(r)
+        self._end(r)
 
     def _fail(self, r: _Room[R], reason: str, touched: list[R], kind: str) -> None:
         """End the room: free what it holds, finish its request, tell its decode server."""
-        r.room.fail(reason)
         self.stats.failed(kind)
-        req = r.req
-        # still the scheduler's: it frees its KV and emits it; else we finish it here
-        scheduled = r.submitted and not r.handed_off
-        if req is not None and not req.finished and not (
-                scheduled and self.scheduler.abort(req.rid, reason)):
+        if r.req is not None:
+            self._end_request(r, r.req, reason, touched)
+        if (r.peer is not None and r.target is not None and kind != "cancelled"
+                and r.number not in self.in_doubt):  # its write is over, or never began
+            self.sender.fail(r.peer, r.number, reason)
+        if kind == "cancelled" and r.req is None:
+            with self.lock:
+                self.cancelled[r.number] = time.monotonic()
+        log.info("room %d failed: %s", r.number, reason)
+        self._end(r, reason)
+
+    def _end_request(self, r: _Room[R], req: R, reason: str, touched: list[R]) -> None:
+        """A failed room's request: still the scheduler's, it frees its KV and emits it; else
+        we finish it here, and free its KV once the scheduler handed it off."""
+        if not req.finished and not (r.stage is Stage.SCHEDULED
+                                     and self.scheduler.abort(req.rid, reason)):
             req.finish("abort", reason)
             touched.append(req)
-        if req is not None and (r.handed_off or r.sending is not None):
+        if r.stage is Stage.HANDED_OFF:  # (every room whose write went to the sender is)
             self.kv.release(req)
-        if (r.peer is not None and r.target is not None and kind != "cancelled"
-                and r.room.room not in self.in_doubt):  # its write is over, or never began
-            self.sender.fail(r.peer, r.room.room, reason)
-        if kind == "cancelled" and req is None:
-            with self.lock:
-                self.cancelled[r.room.room] = time.monotonic()
-        log.info("room %d failed: %s", r.room.room, reason)
-        self._drop(r)
 
-    def _drop(self, r: _Room[R]) -> None:
+    def _end(self, r: _Room[R], failure: str | None = None) -> None:
+        """`r` ends (SUCCESS, or FAILED for `failure`) and leaves the table in one step under
+        the lock: the bootstrap and sender threads never see an ended room."""
         with self.lock:
-            self.rooms.drop(r.room.room, r.req.rid if r.req is not None else None)
+            if failure is None:
+                r.room.move(P.SUCCESS)
+            else:
+                r.room.fail(failure)
+            self.rooms.drop(r.number, r.req.rid if r.req is not None else None)
 
     def abort(self, rid: str, message: str) -> bool:
         with self.lock:
             r = self.rooms.find(rid)
         if r is None or r.req is None or r.req.finished:
             return False
-        if r.sending is not None:  # let the transfer end; its completion frees the pages
+        if r.room.state in PREFILL_SENDING:  # let the transfer end; its completion frees the pages
             r.req.finish("abort", message)
             self._aborted.append(r.req)
         else:
@@ -337,7 +378,8 @@ class PrefillRole(Generic[R]):
 
     def queued(self) -> int:
         with self.lock:
-            return sum(1 for r in self.rooms.values() if r.req is not None and not r.submitted)
+            return sum(1 for r in self.rooms.values()
+                       if r.req is not None and r.stage is Stage.PENDING)
 
     def has_work(self) -> bool:
         return bool(self.rooms or self._aborted)

@@ -1,32 +1,22 @@
-"""Bootstrap rooms: the states one request's KV handoff goes through, on either side.
+"""Bootstrap rooms: a role's record of one room (`Room`: its number and where its state machine,
+runtime/disagg/states.py, has it), the role's table of them, and the errors a request's
+bootstrap fields raise.
 
-Bootstrapping -> WaitingForInput -> Transferring -> Success, or Failed from any of them; a
-terminal state never changes (Failed wins over anything that comes later, and Success is not
-undone by a late error).
+A room that has ended (its phase is Success or Failed) never fails again: Failed wins over
+anything that comes later, and Success is not undone by a late error.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from runtime.disagg.states import Machine, RoomState, S
+
 log = logging.getLogger(__name__)
-
-
-class RoomState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # waiting for the peer (prefill: decode's pages; decode: route)
-    WAITING_FOR_INPUT = "waiting_for_input"  # pages known / reserved, KV not computed yet
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (RoomState.SUCCESS, RoomState.FAILED)
 
 
 class RoomError(ValueError):
@@ -41,37 +31,57 @@ class RoomInUse(RoomError):
     status = 409
 
 
-@dataclass
-class Room:
-    room: int
-    state: RoomState = RoomState.BOOTSTRAPPING
-    since: float = field(default_factory=time.monotonic)  # when it entered `state`
+@dataclass(eq=False)
+class Room(Generic[S]):
+    """One room of a role: its number (the router's `bootstrap_room`) and where its state
+    machine (runtime/disagg/states.py) has it."""
+
+    number: int
+    machine: Machine[S]
+    state: S = field(init=False)
+    phase: RoomState = field(init=False)
+    since: float = field(default_factory=time.monotonic)  # when it entered its phase
     created: float = field(default_factory=time.monotonic)
     reason: str | None = None  # why it failed
 
-    def advance(self, state: RoomState) -> bool:
-        """Move to `state` unless already terminal; False when the move did not happen."""
-        if self.state.terminal:
+    def __post_init__(self) -> None:
+        self.state = self.machine.start
+        self.phase = self.machine.phases.get(self.state, RoomState.BOOTSTRAPPING)
+
+    @property
+    def ended(self) -> bool:
+        """Its phase is Success or Failed: it never fails again."""
+        return self.phase.terminal
+
+    def move(self, to: S) -> None:
+        """Go to `to`; IllegalTransition when the table does not let it (runtime/disagg/states.py)."""
+        self.state = self.machine.move(self.state, to)
+        phase = self.machine.phases.get(to, self.phase)
+        if phase is not self.phase:  # the timeouts count per phase
+            self.phase, self.since = phase, time.monotonic()
+        log.debug("room %d: %s at +%.1f ms", self.number, to.name, 1e3 * (self.since - self.created))
+
+    def fail(self, reason: str, to: S | None = None) -> bool:
+        """Fail it (into `to`, else its machine's failed state); False, and no move, when it
+        has ended already (Failed wins, and Success is not undone by a late error)."""
+        if self.ended:
             return False
-        self.state, self.since = state, time.monotonic()
-        log.debug("room %d: %s at +%.1f ms", self.room, state.value, 1e3 * (self.since - self.created))
+        target = to if to is not None else self.machine.failed
+        assert target is not None, "this machine has no failed state"
+        self.move(target)
+        self.reason = reason
         return True
 
-    def fail(self, reason: str) -> bool:
-        if self.advance(RoomState.FAILED):
-            self.reason = reason
-            return True
-        return False
-
     def waited(self, now: float | None = None) -> float:
+        """How long it has been in its phase."""
         return (now if now is not None else time.monotonic()) - self.since
 
 
 def count_states(rooms: Iterable[Room]) -> dict[str, int]:
-    """How many rooms are in each state (for the rooms-by-state gauge)."""
+    """How many rooms are in each phase (for the rooms-by-state gauge)."""
     counts: dict[str, int] = {}
     for room in rooms:
-        counts[room.state.value] = counts.get(room.state.value, 0) + 1
+        counts[room.phase.value] = counts.get(room.phase.value, 0) + 1
     return counts
 
 

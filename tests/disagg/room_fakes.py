@@ -205,5 +205,6 @@ def polls_until(role: Any, check: Callable[[], bool], timeout: float = 5.0) -> l
 
 
 def state(role: Any, room: int) -> RoomState | None:
+    """The phase of `room` in `role` (None: not in its table)."""
     r = role.rooms.get(room)
-    return None if r is None else r.room.state
+    return None if r is None else r.room.phase
