@@ -65,6 +65,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                                decoder_sparse_step=2)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       tie_word_embeddings=False)),
+    "mixtral-top-k-all": ("MixtralConfig", dict(num_local_experts=3, num_experts_per_tok=3)),
 }
 
 

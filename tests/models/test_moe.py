@@ -77,3 +77,15 @@ def test_moe_config_from_either_family() -> None:
     mixtral = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96}
     assert MoEConfig.from_hf_dict(mixtral, 3) == MoEConfig(4, 2, 96, True, (0, 1, 2))
     assert MoEConfig.from_hf_dict({"intermediate_size": 96}, 3) is None
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_every_token_to_one_expert(grouped: bool) -> None:
+    moe = _moe(4, 1, False, torch.float32, grouped=grouped)
+    h = torch.randn(7, 32, generator=torch.Generator().manual_seed(4)).abs()
+    moe.router[:] = -1.0
+    moe.router[3] = 1.0  # expert 3 wins every token; the other groups are empty
+    experts, _ = moe.route(h)
+    assert experts.flatten().tolist() == [3] * 7
+    torch.testing.assert_close(moe(h, TORCH_OPS).double(), _reference(moe, h), atol=1e-4,
+                               rtol=1e-4)
