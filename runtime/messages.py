@@ -100,6 +100,8 @@ class SchedulerReady:
     instance_id: str | None = None  # prefill/decode: its KV instance (room tickets name it)
     page_size: int = 1
     prefix_cache: bool = False
+    architecture: str = ""  # config.json's, as the model registry ran it
+    dtype: str = ""  # the weights' and activations' (e.g. "float32")
 
 
 @dataclass

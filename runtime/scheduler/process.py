@@ -135,6 +135,8 @@ class SchedulerLoop:
                 instance_id=self.role.transfer.agent_name if self.role.transfer else None,
                 page_size=kv.page_size,
                 prefix_cache=kv.cache is not None,
+                architecture=self.runner.model_config.architecture,
+                dtype=str(self.runner.dtype).removeprefix("torch."),
             )
         )
         self._send_stats()

@@ -147,6 +147,19 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        """What this server runs: model, architecture, role, dtype, its KV pool's tokens."""
+        info = tm.info
+        if info is None:
+            raise ApiError(503, "not ready", "service_unavailable", "not_ready")
+        return {"model": tm.args.model, "served_model_name": tm.args.model_name,
+                "role": tm.args.role, "architecture": info.architecture, "dtype": info.dtype,
+                "context_len": info.context_len, "kv_capacity_tokens": info.kv_capacity_tokens,
+                "page_size": info.page_size, "max_running_requests": info.max_running_requests,
+                "prefix_cache": info.prefix_cache, "kv_transfer": info.kv_transfer,
+                "instance_id": info.instance_id}
+
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:
         return {**dataclasses.asdict(tm.stats), "inflight": len(tm.states)}

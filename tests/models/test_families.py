@@ -8,6 +8,7 @@ counted and no violation (near-ties reported, not hidden).
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -122,7 +123,12 @@ def test_pd_equals_hf_with_the_canary_on(family: tuple[str, Path, list[Reference
                 return outs
 
         _check(f"{name} PD {transport}", asyncio.run(run()), refs)
-        for srv in (pair.prefill, pair.decode):  # the canary looked, and found nothing
+        arch = json.loads((path / "config.json").read_text())["architectures"][0]
+        for srv, role in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+            info = httpx.get(f"{srv.url}/server_info").json()
+            assert (info["architecture"], info["role"], info["dtype"]) == (arch, role, "float32")
+            assert info["kv_capacity_tokens"] > 0 and info["kv_transfer"]["backend"] == transport
+            # the canary looked, and found nothing
             text = httpx.get(f"{srv.url}/metrics").text
             assert metric(text, "baton_kv_canary_checks_total") > 0, srv.url
             assert "baton_kv_canary_violations_total{" not in text, srv.url
