@@ -35,7 +35,7 @@ from runtime.auth.ticket import peer_of
 from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
-from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
 from runtime.disagg.lanes import Lanes
 from runtime.disagg.move import Mover
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
@@ -68,6 +68,7 @@ class _Room(Generic[R]):
 @dataclass
 class DecodeRole(Generic[R]):
     scheduler: SchedulerPort[R]
+    handoffs: HandoffPort[R]  # the scheduler's: room for a request, prebuilt ones, the KV fence
     kv: KVCacheManager
     transfer: KVTransfer
     client: PrefillClient
@@ -150,10 +151,10 @@ class DecodeRole(Generic[R]):
                 continue
             incoming = [x.req for x in self.rooms.values()
                         if x.fence is not None and not x.room.state.terminal]
-            if not self.scheduler.can_reserve(r.req, incoming):
+            if not self.handoffs.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
-            r.fence = self.scheduler.kv_fence()
+            r.fence = self.handoffs.kv_fence()
             self.prealloc.popleft()
 
     def _advance(self, r: _Room[R], touched: list[R]) -> None:
@@ -175,7 +176,7 @@ class DecodeRole(Generic[R]):
 
     def _register(self, r: _Room[R], touched: list[R]) -> None:
         if r.registering is None:
-            if r.fence is not None and self.scheduler.fence_passed(r.fence):
+            if r.fence is not None and self.handoffs.fence_passed(r.fence):
                 request = RoomRequest(r.room.room, self.client.me.decode_id, r.req.rid,
                                       len(r.req.origin_input_ids), list(r.req.kv_pages),
                                       self.config.waiting_timeout_s, r.req.bootstrap_ticket)
@@ -214,7 +215,7 @@ class DecodeRole(Generic[R]):
         self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
         self.transfer.discard(r.room.room)
         self._drop(r)
-        touched.extend(self.scheduler.process_prebuilt([r.req]))
+        touched.extend(self.handoffs.process_prebuilt([r.req]))
 
     def _aux_problem(self, req: R, aux: AuxRecord) -> str | None:
         if aux.room != req.bootstrap_room or aux.prompt_len != len(req.origin_input_ids):

@@ -36,7 +36,7 @@ from runtime.auth.ticket import check_room
 from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
-from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomState, RoomTable, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.tally import Tally
@@ -67,6 +67,7 @@ class _Room(Generic[R]):
 @dataclass
 class PrefillRole(Generic[R]):
     scheduler: SchedulerPort[R]
+    handoffs: HandoffPort[R]  # the scheduler's: what it hands over, the KV fence
     kv: KVCacheManager
     transfer: KVTransfer
     sender: KVSender
@@ -183,7 +184,7 @@ class PrefillRole(Generic[R]):
     def _take_handed_off(self) -> None:
         """Requests the scheduler is done with (prompt KV written, first token sampled): ours
         now, and their KV. One whose room ended meanwhile only has its KV freed."""
-        for req in self.scheduler.take_handed_off():
+        for req in self.handoffs.take_handed_off():
             with self.lock:
                 r = self.rooms.find(req.rid)
             if r is not None and r.req is req:
@@ -218,7 +219,7 @@ class PrefillRole(Generic[R]):
             self._bootstrap(r, touched)  # may find the pages of a request prefilled already
         state = r.room.state
         if state is RoomState.WAITING_FOR_INPUT and r.handed_off and r.req and r.req.output_ids \
-                and (r.fence is None or self.scheduler.fence_passed(r.fence)):
+                and (r.fence is None or self.handoffs.fence_passed(r.fence)):
             self._start_transfer(r, touched)
         elif state is RoomState.TRANSFERRING and r.sending is not None and r.sending.done():
             self._finish_transfer(r, r.sending, touched)

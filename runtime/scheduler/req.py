@@ -45,7 +45,7 @@ class Req:
     # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
     needs_penalty_reset: bool = False
     # Prefill role: once its first token is sampled the scheduler hands it (and its KV) over to
-    # the role (`Scheduler.take_handed_off`) instead of decoding it. A draining decode sets it on
+    # the role (`Handoffs.take_handed_off`) instead of decoding it. A draining decode sets it on
     # a running request to move it: its next token is the hand-over's (`split_off`).
     hand_off: bool = False
     movable: bool = False  # decode role: its client (the router) can follow it to another decode
