@@ -14,8 +14,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = REPO / "runtime"
 COMPLEXITY_LIMIT = 15  # radon's cyclomatic complexity, counted as `complexity` does
-# what still branches more, to be split (issue #35): the list only shrinks
-OVER_LIMIT = {"build_sampling_info", "Scheduler.process", "Scheduler._schedule_prefill"}
 
 
 @functools.cache
@@ -170,8 +168,7 @@ def test_the_scheduler_and_the_kv_plane_branch_little() -> None:
             for qualname, fn in _functions(tree):
                 if complexity(fn) > COMPLEXITY_LIMIT:
                     over[qualname] = complexity(fn)
-    assert set(over) <= OVER_LIMIT, f"over {COMPLEXITY_LIMIT}: {over}"
-    assert set(over) == OVER_LIMIT, f"split since: {OVER_LIMIT - set(over)}: drop from the list"
+    assert not over, f"over {COMPLEXITY_LIMIT}: {over}"
 
 
 def test_the_complexity_count_counts_what_radon_does() -> None:

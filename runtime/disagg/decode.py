@@ -39,7 +39,7 @@ from runtime.auth.ticket import peer_of
 from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
-from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
 from runtime.disagg.lanes import Lanes
 from runtime.disagg.move import Mover
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
@@ -83,6 +83,7 @@ class _Room(Generic[R]):
 @dataclass
 class DecodeRole(Generic[R]):
     scheduler: SchedulerPort[R]
+    handoffs: HandoffPort[R]  # the scheduler's: room for a request, prebuilt ones, the KV fence
     kv: KVCacheManager
     transfer: KVTransfer
     client: PrefillClient
@@ -167,10 +168,10 @@ class DecodeRole(Generic[R]):
                 self.prealloc.popleft()
                 continue
             incoming = [x.req for x in self.rooms.values() if x.room.state in DECODE_RESERVING]
-            if not self.scheduler.can_reserve(r.req, incoming):
+            if not self.handoffs.can_reserve(r.req, incoming):
                 return  # the pool is full: wait, in arrival order, never fail for it
             self.kv.grow(r.req, len(r.req.origin_input_ids))
-            r.fence = self.scheduler.kv_fence()
+            r.fence = self.handoffs.kv_fence()
             r.room.move(D.RESERVED)
             self.prealloc.popleft()
 
@@ -192,7 +193,7 @@ class DecodeRole(Generic[R]):
 
     def _register(self, r: _Room[R], touched: list[R]) -> None:
         state = r.room.state
-        if state is D.RESERVED and r.fence is not None and self.scheduler.fence_passed(r.fence):
+        if state is D.RESERVED and r.fence is not None and self.handoffs.fence_passed(r.fence):
             self._expose(r)
         elif state is D.REGISTERING:
             assert r.registering is not None
@@ -240,7 +241,7 @@ class DecodeRole(Generic[R]):
         self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
         self.transfer.discard(r.number)
         self._drop(r)
-        touched.extend(self.scheduler.process_prebuilt([r.req]))
+        touched.extend(self.handoffs.process_prebuilt([r.req]))
 
     def _aux_problem(self, req: R, aux: AuxRecord) -> str | None:
         if aux.room != req.bootstrap_room or aux.prompt_len != len(req.origin_input_ids):

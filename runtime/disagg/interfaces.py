@@ -1,7 +1,7 @@
 """What the prefill and decode roles need of a request and of the scheduler.
 
 Structural types, so disagg/ depends on kvcache/ only (docs/architecture.md "Dependency directions":
-scheduler -> disagg); the scheduler's Req and Scheduler satisfy them.
+scheduler -> disagg); the scheduler's Req, Scheduler and Handoffs satisfy them.
 """
 
 from __future__ import annotations
@@ -46,14 +46,19 @@ class PDRequest(KVHolder, Protocol):
 
 
 R = TypeVar("R", bound=PDRequest)
+R_in = TypeVar("R_in", bound=PDRequest, contravariant=True)  # a port that only takes requests
 
 
-class SchedulerPort(Protocol[R]):
-    def add_request(self, req: R) -> None: ...
+class SchedulerPort(Protocol[R_in]):
+    def add_request(self, req: R_in) -> None: ...
 
-    def validate(self, req: R) -> None: ...
+    def validate(self, req: R_in) -> None: ...
 
     def abort(self, rid: str, message: str = "aborted") -> bool: ...
+
+
+class HandoffPort(Protocol[R]):
+    """The scheduler's PD edge (runtime/scheduler/handoff.py)."""
 
     def process_prebuilt(self, reqs: list[R]) -> list[R]: ...
 

@@ -2,7 +2,7 @@
 running stream the router follows to another decode, KV and all, with nothing recomputed.
 
 When the decode drains, every decoding request whose client can follow it (`allow_kv_move`, set
-by the router) is handed over with its next token (`Scheduler.hand_off_running`). Each one is
+by the router) is handed over with its next token (`Handoffs.hand_off_running`). Each one is
 split (`Req.split_off`): the request its client knows ends here with the tokens due to it and a
 "moved" finish whose `KVOffer` names a fresh room on this server's bootstrap port (its stream
 ends with that hand-over, runtime/handover.py); the split-off request, which holds the KV of the
@@ -30,7 +30,9 @@ from runtime.handover import KVOffer
 
 log = logging.getLogger(__name__)
 
-class MovingScheduler(Protocol[R]):
+class MovingHandoffs(Protocol[R]):
+    """The scheduler's PD edge as a draining decode uses it (runtime/scheduler/handoff.py)."""
+
     def hand_off_running(self, pick: Callable[[R], bool]) -> None: ...
 
     def take_handed_off(self) -> list[R]: ...
@@ -40,7 +42,7 @@ class MovingScheduler(Protocol[R]):
 
 @dataclass
 class Mover(Generic[R]):
-    scheduler: MovingScheduler[R]
+    handoffs: MovingHandoffs[R]
     sender: PrefillRole[R]  # with its bootstrap server: where the other decode asks
     host: str  # the bootstrap server's address as peers reach it
     draining: bool = False
@@ -54,12 +56,12 @@ class Mover(Generic[R]):
         whose clients are now told where they went (to emit)."""
         if not self.draining:
             return []
-        self.scheduler.hand_off_running(lambda req: req.movable)
+        self.handoffs.hand_off_running(lambda req: req.movable)
         told = []
-        for req in self.scheduler.take_handed_off():
+        for req in self.handoffs.take_handed_off():
             room = secrets.randbits(63)
             moved = req.split_off(f"{req.rid}.moved", room, self.offer(room))
-            self.sender.adopt(moved, self.scheduler.kv_fence())
+            self.sender.adopt(moved, self.handoffs.kv_fence())
             self.moved += 1
             log.info("%s: KV of %d tokens offered in room %d", req.rid,
                      len(moved.origin_input_ids), room)

@@ -43,7 +43,7 @@ from runtime.auth.ticket import check_room
 from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
-from runtime.disagg.interfaces import R, SchedulerPort
+from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomTable, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.states import PREFILL, PREFILL_CANCELS, PREFILL_SENDING, STAGE, Stage
@@ -84,6 +84,7 @@ def _new(number: int) -> _Room[Any]:
 @dataclass
 class PrefillRole(Generic[R]):
     scheduler: SchedulerPort[R]
+    handoffs: HandoffPort[R]  # the scheduler's: what it hands over, the KV fence
     kv: KVCacheManager
     transfer: KVTransfer
     sender: KVSender
@@ -204,7 +205,7 @@ class PrefillRole(Generic[R]):
     def _take_handed_off(self) -> None:
         """Requests the scheduler is done with (prompt KV written, first token sampled): ours
         now, and their KV. One whose room ended meanwhile only has its KV freed."""
-        for req in self.scheduler.take_handed_off():
+        for req in self.handoffs.take_handed_off():
             with self.lock:
                 r = self.rooms.find(req.rid)
             if r is not None and r.req is req:
@@ -249,7 +250,7 @@ class PrefillRole(Generic[R]):
         """Its KV is ours and complete (handed off with its first token) and, when adopted,
         every forward launched before its hand-over has finished."""
         return (r.stage is Stage.HANDED_OFF and r.req is not None and bool(r.req.output_ids)
-                and (r.fence is None or self.scheduler.fence_passed(r.fence)))
+                and (r.fence is None or self.handoffs.fence_passed(r.fence)))
 
     def _step(self, r: _Room[R], was: P, to: P) -> bool:
         """Move `r` from `was` to `to` under the lock; False when a cancel moved it first."""

@@ -15,6 +15,7 @@ import torch
 from runtime.canary.identity import rids_to_tensor, rooms_to_tensor
 from runtime.forward_batch import ForwardBatch, ForwardMode, PenaltyResets, SamplingBatchInfo
 from runtime.kvcache.manager import KVCacheManager
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
 
 
@@ -128,11 +129,28 @@ class ScheduleBatch:
 def build_sampling_info(
     reqs: list[Req], resets: list[tuple[int, list[int], list[int]]], with_ids: bool = False
 ) -> SamplingBatchInfo:
+    """One row per request, in `reqs` order; the optional tensors (request identity,
+    penalties, logit bias) are set only when some row needs them."""
     params = [r.sampling_params for r in reqs]
+    info = _base_sampling_info(reqs, params, penalty_resets(resets) if resets else None)
+    if with_ids:  # the rid hash and bootstrap room of each row (-1: none)
+        info.rids_int = rids_to_tensor(r.rid for r in reqs)
+        info.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in reqs)
+    if any(p.uses_penalties for p in params):
+        _add_penalties(info, params)
+    if any(p.logit_bias for p in params):
+        _add_logit_bias(info, params)
+    return info
+
+
+def _base_sampling_info(
+    reqs: list[Req], params: list[SamplingParams], resets: PenaltyResets | None
+) -> SamplingBatchInfo:
+    """Temperature, top-k/p, min-p, seed and sample position of each row, and `resets`."""
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
     vocab_cap = 1 << 30  # "no top-k": larger than any vocabulary
     top_ks = [p.top_k if p.top_k > 0 else vocab_cap for p in params]
-    info = SamplingBatchInfo(
+    return SamplingBatchInfo(
         temperatures=torch.tensor(temps, dtype=torch.float32),
         top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         top_ks=torch.tensor(top_ks, dtype=torch.int64),
@@ -145,22 +163,23 @@ def build_sampling_info(
         need_top_p=any(p.top_p < 1.0 for p in params),
         need_min_p=any(p.min_p > 0.0 for p in params),
         max_top_k=max(top_ks),
-        penalty_resets=penalty_resets(resets) if resets else None,
+        penalty_resets=resets,
     )
-    if with_ids:  # the rid hash and bootstrap room of each row (-1: none)
-        info.rids_int = rids_to_tensor(r.rid for r in reqs)
-        info.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in reqs)
-    if any(p.uses_penalties for p in params):
-        info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-        info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
-        info.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-    if any(p.logit_bias for p in params):
-        entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-        rows, tokens, biases = zip(*entries, strict=True)
-        info.logit_bias = (torch.tensor(rows, dtype=torch.int64),
-                           torch.tensor(tokens, dtype=torch.int64),
-                           torch.tensor(biases, dtype=torch.float32))
-    return info
+
+
+def _add_penalties(info: SamplingBatchInfo, params: list[SamplingParams]) -> None:
+    info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+    info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+    info.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+
+
+def _add_logit_bias(info: SamplingBatchInfo, params: list[SamplingParams]) -> None:
+    """(rows, token ids, biases): one entry per biased token of each row."""
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    rows, tokens, biases = zip(*entries, strict=True)
+    info.logit_bias = (torch.tensor(rows, dtype=torch.int64),
+                       torch.tensor(tokens, dtype=torch.int64),
+                       torch.tensor(biases, dtype=torch.float32))
 
 
 def penalty_resets(resets: list[tuple[int, list[int], list[int]]]) -> PenaltyResets:

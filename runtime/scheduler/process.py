@@ -295,7 +295,7 @@ class SchedulerLoop:
             prefix_cache=self._cache_stats(),
             queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
             canary=self.scheduler.canary.stats.copy() if self.scheduler.canary is not None else None,
-            retractions=self.scheduler.num_retractions,
+            retractions=self.scheduler.decode.num_retractions,
         )
 
     def _cache_stats(self) -> PrefixCacheStats | None:

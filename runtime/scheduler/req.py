@@ -45,7 +45,7 @@ class Req:
     # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
     needs_penalty_reset: bool = False
     # Prefill role: once its first token is sampled the scheduler hands it (and its KV) over to
-    # the role (`Scheduler.take_handed_off`) instead of decoding it. A draining decode sets it on
+    # the role (`Handoffs.take_handed_off`) instead of decoding it. A draining decode sets it on
     # a running request to move it: its next token is the hand-over's (`split_off`).
     hand_off: bool = False
     movable: bool = False  # decode role: its client (the router) can follow it to another decode
@@ -104,19 +104,22 @@ class Req:
         and every output token but the newest (the tokens whose KV is written), and the newest
         token is its first, as a prefill hands a request over. This one keeps the tokens its
         client has or is due, and ends "moved", with the `offer` that says where it went."""
-        moved = Req(rid, self.fill_ids[:-1], self.sampling_params, self.stream,
-                    self.return_logprob, self.top_logprobs_num, bootstrap_room=room,
-                    hand_off=True, seed=self.seed, cache_salt=self.cache_salt,
-                    resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1)
+        moved = Req(
+            rid, self.fill_ids[:-1], self.sampling_params, self.stream, self.return_logprob,
+            self.top_logprobs_num, bootstrap_room=room, hand_off=True, seed=self.seed,
+            cache_salt=self.cache_salt,
+            resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1,
+            cached_tokens=self.cached_tokens,  # (the prefill's, which its usage reports)
+            # its KV, which this one gives up below
+            req_pool_idx=self.req_pool_idx, kv_pages=self.kv_pages, kv_len=self.kv_len,
+            computed_len=self.computed_len, cache_node=self.cache_node,
+        )
         token = self.output_ids.pop()
         logprob = self.output_logprobs.pop() if self.return_logprob and self.output_logprobs else None
         top = self.output_top_logprobs.pop() if logprob is not None and self.top_logprobs_num \
             and self.output_top_logprobs else None
         info = {key: values.pop() for key, values in self.customized_info.items() if values}
         moved.append_token(token, logprob, top, info)
-        moved.cached_tokens = self.cached_tokens  # (the prefill's, which its usage reports)
-        for name in ("req_pool_idx", "kv_pages", "kv_len", "computed_len", "cache_node"):
-            setattr(moved, name, getattr(self, name))
         self.req_pool_idx, self.kv_pages, self.cache_node = None, [], None
         self.kv_len = self.computed_len = 0
         self.finished_reason = FinishReason("moved", offer=offer)

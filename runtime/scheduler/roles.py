@@ -4,8 +4,9 @@ Every role composes the same Scheduler and ModelRunner; what differs is where re
 before and after it, which lives in small classes (runtime/disagg/prefill.py, decode.py). The
 scheduler process talks to any of them through `Role`: add, abort, poll (advance the queues,
 return the requests whose outputs are due), requests (what it holds), has_work, close. The
-flow runs one way: a role gives requests to the scheduler (`add_request`, `process_prebuilt`)
-and takes back what the scheduler is done with (`take_handed_off`); the scheduler knows no role.
+flow runs one way: a role gives requests to the scheduler (`add_request`, and through its
+`handoffs`, `process_prebuilt`) and takes back what the scheduler is done with
+(`handoffs.take_handed_off`); the scheduler knows no role.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def build_role(
 
         warn_if_open(key, f"{args.role} {name} (bootstrap port {args.disagg.bootstrap_port})")
         role: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.kv, transfer, KVSender(transfer, key), args.disagg, wake, key,
-            tally, canary=handoff, owns_transfer=owns_transfer)
+            scheduler, scheduler.handoffs, scheduler.kv, transfer, KVSender(transfer, key),
+            args.disagg, wake, key, tally, canary=handoff, owns_transfer=owns_transfer)
         role.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, role,
                                          CallGate(key), tally)
         role.ready = True
@@ -162,9 +163,9 @@ def build_role(
                           transfer.name, transfer.local_info())
     log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
              transfer.name)
-    mover = (Mover(scheduler, sender(owns_transfer=False), me.receiver_host)
+    mover = (Mover(scheduler.handoffs, sender(owns_transfer=False), me.receiver_host)
              if args.disagg.move_kv_on_drain else None)
     decode: DecodeRole[Req] = DecodeRole(
-        scheduler, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
+        scheduler, scheduler.handoffs, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
         wake, vocab_size, tally, canary=handoff, mover=mover)
     return decode

@@ -1,8 +1,9 @@
-"""What the Scheduler needs around it: a runner for forwards, and the record of a forward in
-flight."""
+"""What the Scheduler needs around it: a runner for forwards, the record of a forward in flight,
+the count of forwards, and what ends a request."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,3 +38,24 @@ class Launched:
     result: Future[ForwardOutput]
     future_indices: torch.Tensor | None = None  # overlap: the FutureMap slots it fills
     kv_lens: list[int] = field(default_factory=list)  # each request's kv_len once it wrote
+
+
+@dataclass
+class ForwardCount:
+    """Forwards launched and processed so far (`finished <= launched`): the KV fence counts
+    in them (Handoffs.kv_fence)."""
+
+    launched: int = 0
+    finished: int = 0
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """Ends a request after its newest token when that token ends it (`Req.check_finished`):
+    by the runner's EOS ids and context length, and stop strings through `decode_tail`."""
+
+    runner: Runner
+    decode_tail: Callable[[list[int]], str] | None = None
+
+    def __call__(self, req: Req) -> None:
+        req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)

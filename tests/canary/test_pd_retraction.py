@@ -2,7 +2,7 @@
 tiny Llama, greedy, `--kv-canary raise --kv-canary-sweep 1` on both sides, tag and byte checks).
 
 The decode's pool is too small for what it admits: its running requests outgrow it and the
-newest are retracted (`Scheduler._make_decode_room`): their pages are freed and they go back to
+newest are retracted (`DecodeManager.make_room`): their pages are freed and they go back to
 the decode's own waiting queue, to be prefilled again there from prompt + output so far (the
 prefill server is not asked again; its role never decodes, so it never retracts). The prompts
 share prefixes and come twice, so the prefill's prefix cache serves part of them.

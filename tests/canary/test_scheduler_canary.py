@@ -66,7 +66,7 @@ def test_aborts_and_retractions_under_a_tiny_pool_raise_nothing(overlap: bool) -
     reqs = [req(f"r{i}", (system if i % 2 else []) + words(rng.randrange(2, 12), rng),
                 rng.randrange(4, 20)) for i in range(40)]
     churn(sched, reqs, rng, abort_p=0.05, steps=20_000)
-    assert sched.num_retractions > 0, "the pool was meant to be too small for everyone"
+    assert sched.decode.num_retractions > 0, "the pool was meant to be too small for everyone"
     clean(sched)
     assert runner.kv.is_all_free()
     sched.shutdown()

@@ -1,6 +1,6 @@
 """What the prefill and decode roles talk to, played in-process so that every transition of their
 room state machines can be driven and checked one poll at a time (tests/disagg/test_rooms_*.py):
-a SchedulerPort that records what it is given, a sender and a prefill client whose answers the
+a SchedulerPort (and HandoffPort) that records what it is given, a sender and a prefill client whose answers the
 test decides, and a receiver that is only its queue. The roles themselves, their KV manager and
 transfer backend (tcp; `OneSided` answers as nixl does) are the real ones."""
 
@@ -44,7 +44,7 @@ def request(rid: str, room: int, prompt_len: int = 10, max_new: int = 8,
 
 
 class FakeScheduler:
-    """A SchedulerPort: records requests, aborts and prebuilt ones; the test decides capacity,
+    """A SchedulerPort and HandoffPort: records requests, aborts and prebuilt ones; the test decides capacity,
     the KV fence, and when a hand-off request's prompt is done (`finish_prompt`)."""
 
     def __init__(self, kv: KVCacheManager) -> None:

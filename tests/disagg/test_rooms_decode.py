@@ -41,7 +41,7 @@ class World:
         self.client = FakeClient(self.transfer, PREFILL)
         self.receiver = FakeReceiver()
         self.role: DecodeRole[Req] = DecodeRole(
-            self.scheduler, self.kv, self.transfer, self.client, self.receiver,  # type: ignore[arg-type]
+            self.scheduler, self.scheduler, self.kv, self.transfer, self.client, self.receiver,  # type: ignore[arg-type]
             CONFIG, lambda: None, 1000, Tally())
 
     def registered(self, req: Req) -> None:

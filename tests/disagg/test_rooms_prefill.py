@@ -35,7 +35,7 @@ class World:
         self.sender = FakeSender()
         self.woken = 0
         self.role: PrefillRole[Req] = PrefillRole(
-            self.scheduler, self.kv, TcpTransfer(pool, "baton-prefill-A"), self.sender,  # type: ignore[arg-type]
+            self.scheduler, self.scheduler, self.kv, TcpTransfer(pool, "baton-prefill-A"), self.sender,  # type: ignore[arg-type]
             CONFIG, self.wake)
         self.role.register_peer(PeerRegistration(DECODE, "10.0.0.2", 8999,
                                                  {"num_layers": 2, "page_size": 4,

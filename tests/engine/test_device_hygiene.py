@@ -76,7 +76,7 @@ def test_one_copy_each_way_per_forward_and_no_wait(
     audit, sched = audited_run(runner, overlap, reqs)
     assert audit.mixed == [], "host tensors met device tensors:\n" + "\n".join(audit.mixed)
     assert audit.syncs == [], "device values read mid-step:\n" + "\n".join(audit.syncs)
-    forwards = sched.launched_forwards
+    forwards = sched.forwards.launched
     assert forwards > len(reqs)  # chunked prefill and several decode steps ran
     assert len(audit.h2d) == forwards, audit.h2d
     assert len(audit.d2h) == forwards, audit.d2h
@@ -96,7 +96,7 @@ def test_prebuilt_requests_and_their_table_rows_ride_the_next_forward(tiny_path:
     runner.kv.grow(req, len(req.origin_input_ids))
     req.output_ids.append(7)  # the first token, from the prefill server's aux record
     assert runner.kv.req_to_token.deferred
-    sched.process_prebuilt([req])
+    sched.handoffs.process_prebuilt([req])
     audit = DeviceAudit()
     leave = audit.on_thread(sched.worker)  # type: ignore[arg-type]
     try:
@@ -107,7 +107,7 @@ def test_prebuilt_requests_and_their_table_rows_ride_the_next_forward(tiny_path:
         leave()
         sched.shutdown()
     assert audit.mixed == [] and audit.syncs == [], audit.mixed + audit.syncs
-    assert len(audit.h2d) == len(audit.d2h) == sched.launched_forwards >= 3
+    assert len(audit.h2d) == len(audit.d2h) == sched.forwards.launched >= 3
     assert req.finished and len(req.output_ids) == 4
 
 

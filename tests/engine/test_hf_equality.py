@@ -80,8 +80,8 @@ def test_tiny_kv_budget_waits_and_retracts(
     engine = run_and_compare(
         prompt_ids, hf_refs, max_total_tokens=budget, page_size=4, enable_overlap=overlap
     )
-    assert engine.scheduler.num_retractions > 0
-    assert engine.scheduler.peak_running < len(prompt_ids), "everything ran at once: no waiting"
+    assert engine.scheduler.decode.num_retractions > 0
+    assert engine.scheduler.decode.peak_running < len(prompt_ids), "everything ran at once: no waiting"
 
 
 @pytest.mark.parametrize("linear", ["torch", "auto"])

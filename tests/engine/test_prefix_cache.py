@@ -134,7 +134,7 @@ def test_eviction_stress_every_output_equals_the_cache_off_output(sharp_tiny: Pa
         cache = engine.runner.kv.cache
         assert cache is not None and cache.stats.evicted_tokens > 0 and cache.stats.hit_tokens > 0
         assert sum(r["meta_info"]["cached_tokens"] for r in got) > 0
-        assert engine.scheduler.num_retractions > 0 or engine.scheduler.peak_running < 16
+        assert engine.scheduler.decode.num_retractions > 0 or engine.scheduler.decode.peak_running < 16
         assert engine.runner.kv.is_all_free()
         engine.runner.kv.flush_cache()
         assert engine.runner.kv.allocator.is_all_free() and cache.cached_pages == 0

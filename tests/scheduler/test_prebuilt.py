@@ -1,7 +1,8 @@
 """The scheduler's PD seams with fake runners: a prefill scheduler hands `hand_off` requests over
-with their first token (`take_handed_off`), their KV is copied page for page into a second pool,
-and a decode scheduler takes them through `process_prebuilt`. The fake runner's token hashes the whole cached sequence read
-back through the req->token table, so KV in the wrong place changes every later token."""
+with their first token (`handoffs.take_handed_off`), their KV is copied page for page into a
+second pool, and a decode scheduler takes them through `handoffs.process_prebuilt`. The fake
+runner's token hashes the whole cached sequence read back through the req->token table, so KV in
+the wrong place changes every later token."""
 
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ class CopyHandoff:
         self.delivered: dict[str, Req] = {}
 
     def pump(self) -> None:
-        for req in self.prefill.take_handed_off():
+        for req in self.prefill.handoffs.take_handed_off():
             assert len(req.output_ids) == 1  # handed over with its first token: KV complete
             sp = SamplingParams(max_new_tokens=req.extra_max_new, temperature=0.0)  # type: ignore[attr-defined]
             twin = Req(req.rid, list(req.origin_input_ids), sp)
             self.dst.kv.grow(twin, len(twin.origin_input_ids))
-            self.allocated.append((req, twin, self.decode.kv_fence()))
-        for item in [a for a in self.allocated if self.decode.fence_passed(a[2])]:
+            self.allocated.append((req, twin, self.decode.handoffs.kv_fence()))
+        for item in [a for a in self.allocated if self.decode.handoffs.fence_passed(a[2])]:
             self.allocated.remove(item)
             self.copy(*item[:2])
 
@@ -46,7 +47,7 @@ class CopyHandoff:
         self.dst.slot_tokens[dst_slots] = self.src.slot_tokens[src_slots]
         twin.append_token(req.output_ids[0])
         self.src.kv.release(req)
-        self.decode.process_prebuilt([twin])
+        self.decode.handoffs.process_prebuilt([twin])
         self.delivered[twin.rid] = twin
 
 
@@ -75,7 +76,7 @@ def test_prefill_handoff_then_prebuilt_decode_gives_colocated_tokens(overlap: bo
         got = handoff.delivered[r.rid]
         assert got.output_ids == expected_outputs(r.origin_input_ids, 5 + int(r.rid[1:]))
         assert got.finished_reason is not None and got.finished_reason.kind == "length"
-    assert prefill.running.is_empty(), "a prefill-role request joined the decode batch"
+    assert prefill.decode.running.is_empty(), "a prefill-role request joined the decode batch"
     assert p_runner.kv.is_all_free() and d_runner.kv.is_all_free()
     assert all(b.mode == "extend" for b in p_runner.batches)
     prefill.shutdown()
@@ -88,7 +89,7 @@ def test_prebuilt_request_finished_by_its_first_token_frees_kv_at_once() -> None
     req = Req("one", [1, 2, 3], SamplingParams(max_new_tokens=1, temperature=0.0))
     runner.kv.grow(req, 3)
     req.append_token(42)
-    assert decode.process_prebuilt([req]) == [req]
+    assert decode.handoffs.process_prebuilt([req]) == [req]
     assert req.finished and runner.kv.is_all_free() and not decode.has_work()
 
 
@@ -101,14 +102,14 @@ def test_prebuilt_joins_a_running_batch_with_placeholders() -> None:
     decode.add_request(first)
     for _ in range(3):
         decode.step()
-    assert decode.running.input_ids is not None and bool((decode.running.input_ids < 0).all())
+    assert decode.decode.running.input_ids is not None and bool((decode.decode.running.input_ids < 0).all())
     late = Req("late", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, temperature=0.0))
     runner.kv.grow(late, 5)
     runner.slot_tokens[runner.kv.req_to_token.table[late.req_pool_idx, :5]] = torch.tensor(
         late.origin_input_ids
     )
     late.append_token(expected_outputs(late.origin_input_ids, 1)[0])
-    decode.process_prebuilt([late])
+    decode.handoffs.process_prebuilt([late])
     while decode.has_work():
         decode.step()
     assert late.output_ids == expected_outputs(late.origin_input_ids, 6)

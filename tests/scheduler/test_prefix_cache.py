@@ -90,7 +90,7 @@ def test_cached_pages_are_evicted_before_anything_is_retracted_or_refused() -> N
     new = req("new", words(40, 99), 20)  # needs 15 pages: most of the cache goes
     run(sched, [new])
     assert_correct([*olds, new])
-    assert sched.num_retractions == 0 and runner.kv.cache.stats.evicted_tokens > 0
+    assert sched.decode.num_retractions == 0 and runner.kv.cache.stats.evicted_tokens > 0
     settle(sched, runner)
     sched.shutdown()
 
