@@ -1,6 +1,10 @@
 """Throughput of baton's Engine against HF transformers, in one run, on the same prompts and threads.
 
     python bench/throughput.py [--workload prefill|decode|both] [--quick] [--out DIR]
+                               [--model builtin:smollm2-135m|moe|FOLDER]
+
+`--model moe` runs a Qwen3-MoE-shaped model with random weights (8 experts, top-2; written once
+by bench/moe_model.py): the MoE workload of issue 37.
 
 Systems (fp32, greedy, exactly `max_new_tokens` tokens per prompt; see bench/throughput_systems.py):
   hf_static         `model.generate`, consecutive batches of 8, left padding, min_new_tokens=max
@@ -139,7 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload", choices=("prefill", "decode", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="tiny workloads (smoke run)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--model", default="builtin:smollm2-135m")
+    p.add_argument("--model", default="builtin:smollm2-135m",
+                   help="HF folder, builtin:NAME, or moe (a Qwen3-MoE-shaped random model: "
+                   "bench/moe_model.py)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all systems)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument(
@@ -178,6 +184,10 @@ class Bench:
         torch.set_num_threads(args.threads)
         self.args = args
         self.systems = [s for s in args.systems.split(",") if s]
+        if args.model == "moe":
+            from moe_model import moe_model
+
+            args.model = str(moe_model())
         path = resolve_model_path(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pad_id = self.tokenizer.pad_token_id
