@@ -7,6 +7,7 @@ transfer backend (tcp; `OneSided` answers as nixl does) are the real ones."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -145,12 +146,17 @@ class FakeClient:
         self.registered: dict[tuple[str, int], str] = {}
         self.rooms: list[RoomRequest] = []
         self.register: Exception | None = None
+        self.hold: threading.Event | None = None  # POST /rooms answers once it is set
+        self.posted = 0  # POST /rooms sent (answered or not)
         self.cancel: bool | Exception = True
         self.cancels: list[int] = []
         self.gone = False
         self.forgotten: list[tuple[str, int]] = []
 
     def register_room(self, addr: tuple[str, int], request: RoomRequest) -> str:
+        self.posted += 1
+        if self.hold is not None:
+            self.hold.wait(10)
         if self.register is not None:
             raise self.register
         if not self.transfer.bind_peer(request.room, self.instance):

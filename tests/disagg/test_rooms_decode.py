@@ -5,6 +5,7 @@ failed room may be freed."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -107,6 +108,31 @@ def test_a_failed_registration_fails_the_room(w: World, answer: Exception, kind:
         assert w.role.stats.quarantined_pages == 3
         w.client.cancel = True  # it answers: no write will happen
         polls_until(w.role, w.kv.is_all_free)
+
+
+def test_a_room_failed_while_its_registration_is_unanswered(w: World) -> None:
+    """The POST /rooms went out and has no answer yet when the room fails (the client left):
+    the prefill may know the pages already. One-sided, they stay quarantined until the prefill
+    says no write will happen; tcp, they are freed at once (the receiver refuses the room)."""
+    gate = threading.Event()
+    w.client.hold, w.client.cancel = gate, False
+    req = request("r5", 5)
+    w.role.add(req)
+    w.scheduler.passed = 10**9
+    try:
+        polls_until(w.role, lambda: w.client.posted == 1)  # sent, unanswered
+        assert w.role.abort("r5", "client left") is True
+        w.role.poll()
+        assert req.finished and w.kv.is_all_free() is not w.transfer.one_sided
+    finally:
+        gate.set()  # the POST answers late: the room has ended
+    time.sleep(0.05)
+    w.role.poll()
+    if w.transfer.one_sided:
+        assert not w.kv.is_all_free() and w.role.stats.quarantined_pages == 3
+        w.client.cancel = True  # it answers: no write will happen
+        polls_until(w.role, w.kv.is_all_free)
+    assert w.kv.is_all_free()
 
 
 def test_a_room_whose_kv_never_comes_times_out(w: World) -> None:
