@@ -128,7 +128,10 @@ class LlamaModel:
 
     def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
         """Layer i's feed-forward, its weights popped from `w`: where MoE families differ."""
-        p = f"model.layers.{i}.mlp."
+        return self.gated_mlp(w, f"model.layers.{i}.mlp.")
+
+    def gated_mlp(self, w: dict[str, torch.Tensor], p: str) -> GatedMLP:
+        """The gated MLP whose gate_proj, up_proj and down_proj weights are under `p`."""
         gate_up = torch.cat([w.pop(f"{p}gate_proj.weight"), w.pop(f"{p}up_proj.weight")])
         return GatedMLP(Linear(gate_up, None, self.onednn),
                         Linear(w.pop(f"{p}down_proj.weight"), None, self.onednn))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.config import MoEConfig
-from runtime.models.mlp import SmallOps
+from runtime.models.mlp import GatedMLP, SmallOps
 
 
 class SparseMoE:
@@ -85,3 +85,14 @@ def load_moe(w: dict[str, torch.Tensor], router: str, experts: str, names: tuple
     gate_up = torch.stack([torch.cat([g, u]) for g, u, _ in each])  # [E, 2 * inter, hidden]
     return SparseMoE(w.pop(router), gate_up, torch.stack([d for _, _, d in each]), moe.top_k,
                      moe.renormalize)
+
+
+class SharedExpertMoE:
+    """Qwen2-MoE's block: the routed experts plus a shared expert that every token takes,
+    scaled by a sigmoid gate of its own: routed(h) + sigmoid(h @ gate.T) * shared(h)."""
+
+    def __init__(self, routed: SparseMoE, shared: GatedMLP, gate: torch.Tensor) -> None:
+        self.routed, self.shared, self.gate = routed, shared, gate  # gate [1, hidden]
+
+    def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:
+        return self.routed(h, ops) + torch.sigmoid(F.linear(h, self.gate)) * self.shared(h, ops)

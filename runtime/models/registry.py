@@ -58,6 +58,12 @@ def _mixtral() -> ModelFactory:
     return MixtralModel
 
 
+def _qwen2_moe() -> ModelFactory:
+    from runtime.models.qwen2_moe import Qwen2MoeModel
+
+    return Qwen2MoeModel
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -69,6 +75,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), _llama),
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), _qwen3),
     Family("mixtral", ("MixtralForCausalLM",), _mixtral),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _qwen2_moe),
 )
 
 

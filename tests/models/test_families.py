@@ -31,6 +31,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=48, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=64)),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")

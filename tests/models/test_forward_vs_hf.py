@@ -66,6 +66,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       tie_word_embeddings=False)),
     "mixtral-top-k-all": ("MixtralConfig", dict(num_local_experts=3, num_experts_per_tok=3)),
+    # routed experts plus a gated shared expert, q/k/v biases, layer 0 dense
+    "qwen2-moe-shared": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=48,
+                                                mlp_only_layers=[0], tie_word_embeddings=False)),
 }
 
 
@@ -83,7 +88,7 @@ def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tu
                 p.normal_(0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.5)
-            elif name.endswith("gate.weight"):  # a MoE router: decisive picks, not near-ties
+            elif name.endswith("gate.weight"):  # MoE routers (and a shared expert's gate)
                 p.normal_(0, 1.0)
     model.save_pretrained(tmp_path)
     shutil.copy(model_path / "tokenizer.json", tmp_path / "tokenizer.json")
