@@ -95,6 +95,8 @@ class Router:
             yield
         finally:
             tasks += self.followers.values()
+            if self.health.rechecking is not None:  # a retry's poll of the workers that are out
+                tasks.append(self.health.rechecking)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -32,7 +32,7 @@ class HealthChecker:
         self.client, self.workers, self.metrics = client, workers, metrics
         self.interval, self.timeout, self.failures = interval, timeout, failures
         self.unready: str | None = "starting"  # the reason last logged
-        self._recheck: asyncio.Future[None] | None = None
+        self.rechecking: asyncio.Task[None] | None = None  # the shared poll, if one runs
 
     async def check(self, workers: Iterable[Worker]) -> None:
         """Poll each of `workers` once, concurrently, and publish the ready counts."""
@@ -49,10 +49,10 @@ class HealthChecker:
         """Poll the workers that are out now, then pause RECHECK_S: what a retry that found
         no ready pair waits on (a worker the router has not seen ready yet, one starting
         again). Callers that come while one runs share it."""
-        if self._recheck is None or self._recheck.done():
+        if self.rechecking is None or self.rechecking.done():
             out = [w for w in self.workers.all() if not w.ready]
-            self._recheck = asyncio.ensure_future(self._poll_then_pause(out))
-        await asyncio.shield(self._recheck)
+            self.rechecking = asyncio.create_task(self._poll_then_pause(out))
+        await asyncio.shield(self.rechecking)
 
     async def _poll_then_pause(self, workers: list[Worker]) -> None:
         await self.check(workers)
