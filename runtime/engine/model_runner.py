@@ -85,8 +85,11 @@ class ModelRunner:
                                   mc.vocab_size, isinstance(self.sampler, TokenOracleSampler))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
-            if self.attn.cuda_graph_safe:
+            if self.attn.cuda_graph_safe and self.model.cuda_graph_safe:
                 self.graphs = self.decode_graphs(min(config.cuda_graph_max_bs, max_running_requests))
+            elif not self.model.cuda_graph_safe:
+                log.info("decode graphs: off (the MoE experts read their counts on the host "
+                         "in %s; the grouped path, bf16/fp16, can be captured)", self.dtype)
             else:
                 log.info("decode graphs: off (%s cannot be captured; --attention-backend triton "
                          "or flashinfer can)", type(self.attn).__name__)

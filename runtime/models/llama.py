@@ -99,6 +99,11 @@ class LlamaModel:
 
             self.ops = TRITON_OPS or TORCH_OPS
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """No layer syncs with the host (an MoE on its per-expert path does)."""
+        return all(lw.mlp.cuda_graph_safe for lw in self.layers)
+
     def qkv(self, lw: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's q [T, H, D], k and v [T, KVH, D] for the normed residual `h`, RoPE

@@ -19,11 +19,15 @@ class SmallOps(Protocol):
 
 
 class FeedForward(Protocol):
+    cuda_graph_safe: bool  # makes no host sync (a decode step with it can be captured)
+
     def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor: ...
 
 
 class GatedMLP:
     """down(SiLU(gate(h)) * up(h)), gate and up fused into one matmul."""
+
+    cuda_graph_safe = True
 
     def __init__(self, gate_up: Linear, down: Linear) -> None:
         self.gate_up, self.down = gate_up, down  # hidden -> 2 * inter; inter -> hidden

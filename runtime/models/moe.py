@@ -34,6 +34,7 @@ class SparseMoE:
         if grouped is None:
             grouped = gate_up.is_cuda and gate_up.dtype in (torch.bfloat16, torch.float16)
         self.grouped = grouped
+        self.cuda_graph_safe = grouped  # the per-expert path reads its counts on the host
         # [E, K, N] operands for torch._grouped_mm (views, no copy)
         self.gate_up_t, self.down_t = gate_up.transpose(1, 2), down.transpose(1, 2)
 
@@ -74,6 +75,12 @@ class SparseMoE:
         return torch._grouped_mm(act, self.down_t, offs=offsets)
 
 
+def load_qwen_moe(w: dict[str, torch.Tensor], prefix: str, moe: MoEConfig) -> SparseMoE:
+    """Qwen-MoE's routed experts under `prefix` (its `gate` router, `experts.j.*_proj`)."""
+    return load_moe(w, f"{prefix}gate.weight", f"{prefix}experts.",
+                    ("gate_proj", "up_proj", "down_proj"), moe)
+
+
 def load_moe(w: dict[str, torch.Tensor], router: str, experts: str, names: tuple[str, str, str],
              moe: MoEConfig) -> SparseMoE:
     """A SparseMoE from a checkpoint's per-expert weights, popped from `w`: the router's weight
@@ -93,6 +100,7 @@ class SharedExpertMoE:
 
     def __init__(self, routed: SparseMoE, shared: GatedMLP, gate: torch.Tensor) -> None:
         self.routed, self.shared, self.gate = routed, shared, gate  # gate [1, hidden]
+        self.cuda_graph_safe = routed.cuda_graph_safe
 
     def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:
         return self.routed(h, ops) + torch.sigmoid(F.linear(h, self.gate)) * self.shared(h, ops)

@@ -9,7 +9,7 @@ import torch
 
 from runtime.models.llama import LlamaModel
 from runtime.models.mlp import FeedForward
-from runtime.models.moe import SharedExpertMoE, load_moe
+from runtime.models.moe import SharedExpertMoE, load_qwen_moe
 
 
 class Qwen2MoeModel(LlamaModel):
@@ -18,7 +18,5 @@ class Qwen2MoeModel(LlamaModel):
         if moe is None or i not in moe.sparse_layers:
             return super()._mlp(w, i)
         p = f"model.layers.{i}.mlp."
-        routed = load_moe(w, f"{p}gate.weight", f"{p}experts.",
-                          ("gate_proj", "up_proj", "down_proj"), moe)
-        return SharedExpertMoE(routed, self.gated_mlp(w, f"{p}shared_expert."),
+        return SharedExpertMoE(load_qwen_moe(w, p, moe), self.gated_mlp(w, f"{p}shared_expert."),
                                w.pop(f"{p}shared_expert_gate.weight"))

@@ -15,13 +15,13 @@ import torch
 
 from runtime.models.llama import LayerWeights, LlamaModel, rms_norm
 from runtime.models.mlp import FeedForward
-from runtime.models.moe import load_moe
+from runtime.models.moe import load_qwen_moe
 
 
 @dataclass
 class Qwen3LayerWeights(LayerWeights):
-    q_norm: torch.Tensor | None = None  # [head_dim]
-    k_norm: torch.Tensor | None = None  # [head_dim]
+    q_norm: torch.Tensor  # [head_dim]
+    k_norm: torch.Tensor  # [head_dim]
 
 
 class Qwen3Model(LlamaModel):
@@ -35,14 +35,11 @@ class Qwen3Model(LlamaModel):
         moe = self.config.moe
         if moe is None or i not in moe.sparse_layers:
             return super()._mlp(w, i)
-        p = f"model.layers.{i}.mlp."
-        return load_moe(w, f"{p}gate.weight", f"{p}experts.",
-                        ("gate_proj", "up_proj", "down_proj"), moe)
+        return load_qwen_moe(w, f"model.layers.{i}.mlp.", moe)
 
     def qkv(self, lw: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert isinstance(lw, Qwen3LayerWeights) and lw.q_norm is not None \
-            and lw.k_norm is not None
+        assert isinstance(lw, Qwen3LayerWeights)
         q, k, v = self.split_heads(lw.qkv(h))
         eps = self.config.rms_norm_eps
         q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)  # per head, fp32 inside

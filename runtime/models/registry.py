@@ -32,6 +32,10 @@ class CausalLM(Protocol):
 
     config: ModelConfig
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Its forward makes no host sync: decode steps can be captured in a CUDA graph."""
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor: ...
 

@@ -48,6 +48,7 @@ def test_both_paths_equal_the_definition(renormalize: bool, rows: int) -> None:
     got = per_expert(h, TORCH_OPS)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(grouped(h, TORCH_OPS), got, atol=1e-5, rtol=1e-5)
+    assert grouped.cuda_graph_safe and not per_expert.cuda_graph_safe  # (.tolist() syncs)
 
 
 def test_grouped_in_bf16_matches_per_expert() -> None:
