@@ -84,6 +84,8 @@ def _pack(tensors: Sequence[torch.Tensor], pinned: bool) -> tuple[torch.Tensor, 
     parts = [_bytes(tensors[i]) for i in order]
     layout = [(i, tensors[i].dtype, tensors[i].shape, p.numel()) for i, p in zip(order, parts, strict=True)]
     device = tensors[0].device
+    if len(parts) == 1 and not pinned:  # one tensor (greedy results): its bytes, as they are
+        return parts[0], layout
     out = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8, device=device, pin_memory=pinned)
     torch.cat(parts, out=out)
     return out, layout

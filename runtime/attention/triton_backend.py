@@ -134,6 +134,19 @@ if triton is not None:
             out = acc / l_i[:, None]
             tl.store(Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+
+    @triton.jit
+    def _store_kv_kernel(  # type: ignore[no-untyped-def]
+        K, V, KPool, VPool, Rows, stride_k, stride_v, W: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Token t's K and V rows (W = KV heads * head_dim elements each) into the pool's layer
+        views at element offset Rows[t]: one launch for both, where indexing takes two."""
+        t = tl.program_id(0)
+        at = tl.load(Rows + t)
+        i = tl.arange(0, BLOCK)
+        m = i < W
+        tl.store(KPool + at + i, tl.load(K + t * stride_k + i, mask=m), mask=m)
+        tl.store(VPool + at + i, tl.load(V + t * stride_v + i, mask=m), mask=m)
 # fmt: on
 
 
@@ -197,6 +210,17 @@ def paged_extend(
     )  # fmt: skip
 
 
+def store_kv(pool: KVPool, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Launch:
+    """k, v [T, KV heads, D] (each token's heads contiguous) into the pool at `rows`
+    (KVPool.row_offsets of the tokens' slots): what KVPool.write does, in one launch."""
+    width = pool.num_kv_heads * pool.head_dim
+    k, v = (x if x.stride(1) == pool.head_dim and x.stride(2) == 1 else x.contiguous() for x in (k, v))
+    k_pages, v_pages = pool.pages(layer)
+    return Launch(_store_kv_kernel, (rows.shape[0],),
+                  (k, v, k_pages, v_pages, rows, k.stride(0), v.stride(0)),
+                  dict(W=width, BLOCK=next_pow2(width)), None)
+
+
 class TritonAttention(AttentionBackend):
     cuda_graph_safe = True  # decode reads lengths and rows from tensors; its grid is (B, KV heads)
 
@@ -218,7 +242,7 @@ class TritonAttention(AttentionBackend):
         return cls(pool, req_to_token, scale)
 
     def begin(self, batch: ForwardBatch) -> None:
-        self.out_loc = self.pool.locate(batch.out_cache_loc)
+        self.out_rows = self.pool.row_offsets(batch.out_cache_loc)
         self.req_idx = batch.req_pool_indices
         self.seq_lens = batch.seq_lens_t
         if batch.mode == "extend":
@@ -230,7 +254,7 @@ class TritonAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.pool.write(layer, self.out_loc, k, v)
+        store_kv(self.pool, layer, self.out_rows, k, v).run()
         table = self.req_to_token.table
         if batch.mode == "decode":
             out = paged_decode(

@@ -147,7 +147,8 @@ class DecodeGraphs:
         for name in _INPUTS:
             buf = self.buffers[name]
             buf[:n].copy_(getattr(batch, name))
-            buf[n:size].fill_(self.padding[name])
+            if size > n:
+                buf[n:size].fill_(self.padding[name])
         static = self.batches[size]
         # Lists are read only outside a CUDA graph (plan_graph; shapes in EagerGraph's re-runs).
         static.seq_lens = [*batch.seq_lens, *[1] * (size - n)]

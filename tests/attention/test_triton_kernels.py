@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from runtime.attention.triton_backend import paged_decode, paged_extend
+from runtime.attention.triton_backend import paged_decode, paged_extend, store_kv
 from runtime.kvcache.pool import KVPool
 from tests.attention.reference import causal_attention
 
@@ -58,6 +58,30 @@ def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 # the interpreter computes in numpy, which has no bfloat16 (it reads garbage): bf16 on GPU only
 DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if DEVICE == "cuda" else [])]
+
+
+STORE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # a copy: no arithmetic to get wrong
+
+
+@pytest.mark.parametrize("dtype", STORE_DTYPES)
+@pytest.mark.parametrize(("page_size", "kv_heads", "head_dim"), [(1, 3, 32), (16, 2, 24), (4, 8, 64)])
+def test_store_kv_writes_what_pool_write_writes(dtype: torch.dtype, page_size: int, kv_heads: int,
+                                               head_dim: int) -> None:
+    """k and v as the model hands them over (views into one qkv row per token), at scattered
+    slots of one layer: the pool afterwards is byte for byte KVPool.write's, other layers untouched."""
+    gen = torch.Generator().manual_seed(page_size + head_dim)
+    pools = [KVPool(3, 9, page_size, kv_heads, head_dim, dtype, DEVICE) for _ in range(2)]
+    for pool in pools:
+        pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
+    pools[1].buffer.copy_(pools[0].buffer)
+    slots = torch.randperm(9 * page_size, generator=gen)[:7].to(DEVICE)
+    width = kv_heads * head_dim
+    qkv = torch.randn(7, 4 * width, generator=gen).to(dtype).to(DEVICE)
+    k = qkv[:, 2 * width:3 * width].view(7, kv_heads, head_dim)
+    v = qkv[:, 3 * width:].view(7, kv_heads, head_dim)
+    store_kv(pools[0], 1, pools[0].row_offsets(slots), k, v).run()
+    pools[1].write(1, pools[1].locate(slots), k, v)
+    assert torch.equal(pools[0].buffer.view(torch.uint8), pools[1].buffer.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

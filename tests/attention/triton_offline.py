@@ -2,9 +2,10 @@
 
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
 nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches the engine builds
-(attention's paged_decode and paged_extend, the model's fused ops): the same specialization (argument types,
-16-byte divisibility), lowering, and ptxas to a cubin, which is what a GPU would then load. The
-bundled cuobjdump reads the cubin's registers and local memory (spills).
+(attention's paged_decode, paged_extend and store_kv, the model's fused ops): the same
+specialization (argument types, 16-byte divisibility), lowering, and ptxas to a cubin, which is
+what a GPU would then load. The bundled cuobjdump reads the cubin's registers and local memory
+(spills).
 
 Prints one JSON object per compiled kernel. Run by tests/attention/test_triton_compile.py in a
 subprocess: the kernels must be JIT functions, not the interpreter's (TRITON_INTERPRET unset).
@@ -26,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from runtime.attention.triton_backend import paged_decode, paged_extend
+from runtime.attention.triton_backend import paged_decode, paged_extend, store_kv
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.models.fused import add_rms_norm_launch, rope_launch, silu_mul_launch
@@ -39,7 +40,7 @@ SHAPES = [
     ("llama-1b", 32, 8, 64, 8192, 2048, 8192),  # bench/gpu.py's 1B shape
     ("llama-8b", 32, 8, 128, 8192, 4096, 14336),
 ]
-KERNELS = ("decode", "extend", "add_rms_norm", "rope", "silu_mul")
+KERNELS = ("decode", "extend", "store_kv", "add_rms_norm", "rope", "silu_mul")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what to build: (GPU arch, dtypes); sm_90 is an H100, sm_80 an A100, sm_89 an L4
 PLAN = [(90, ["fp32", "bf16", "fp16"]), (80, ["bf16"]), (89, ["bf16"])]
@@ -76,6 +77,8 @@ def launches(heads: int, kv_heads: int, head_dim: int, context: int, hidden: int
     return {
         "decode": paged_decode(pool, 0, q, table, rows, rows, 0.125),
         "extend": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125),
+        "store_kv": store_kv(pool, 0, rows, k_view.view(2, kv_heads, head_dim),
+                             k_view.view(2, kv_heads, head_dim)),
         "add_rms_norm": add_rms_norm_launch(x, x, x[0], 1e-5),
         "rope": rope_launch(q_view.view(2, heads, head_dim), k_view.view(2, kv_heads, head_dim), rope),
         "silu_mul": silu_mul_launch(torch.zeros(2, 2 * inter, dtype=dtype)),

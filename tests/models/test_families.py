@@ -9,60 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from runtime import Engine
 from tests.disagg.pd import pd_call, start_pair, stream_ids
 from tests.engine.hf_reference import MAX_NEW, PROMPTS, Reference, compare, hf_greedy
+from tests.models.checkpoints import FAMILIES, write_family
 from tests.server.test_metrics import metric
-
-SHAPE: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=512, initializer_range=0.3)
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
-    "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=48, norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=48,
-                                         shared_expert_intermediate_size=64)),
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, model_path: Path,
            tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, list[Reference]]:
     """(name, checkpoint, HF's greedy references for PROMPTS)."""
-    import transformers
-
     name = request.param
-    cls, extra = FAMILIES[name]
-    vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
-    config = getattr(transformers, cls)(vocab_size=vocab, bos_token_id=1, eos_token_id=2,
-                                        **SHAPE, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("gate.weight"):  # MoE routers: decisive picks
-                p.normal_(0, 1.0)
-            elif pname.endswith(("q_norm.weight", "k_norm.weight")):
-                p.normal_(1, 0.3)
-    dest = tmp_path_factory.mktemp(name)
-    model.save_pretrained(dest)
-    for f in TOKENIZER_FILES:
-        if (model_path / f).exists():
-            shutil.copy(model_path / f, dest / f)
+    dest = write_family(name, tmp_path_factory.mktemp(name), model_path)
     return name, dest, hf_greedy(dest, _prompts(dest), MAX_NEW)
 
 
