@@ -46,6 +46,7 @@ def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument() -> None:
+    from runtime import device, forward_batch
     from runtime.engine import cuda_graph, model_runner, sampler
     from runtime.forward_batch import ForwardBatch, ForwardOutput
     from runtime.models import llama
@@ -62,6 +63,10 @@ def instrument() -> None:
         (sampler.TorchSampler, "sample"),
     ]:
         setattr(owner, attr, timed(f"{owner.__name__}.{attr}", getattr(owner, attr)))
+    # inside ForwardBatch.to: packing on the host, and the whole of it (pinned buffer, copy)
+    for attr in ("_pack", "_unpack"):
+        setattr(device, attr, timed(f"device.{attr}", getattr(device, attr)))
+    forward_batch.to_device = timed("device.to_device", forward_batch.to_device)  # type: ignore[assignment]
 
 
 def run(engine: Any, prompt: list[list[int]], new: int) -> float:
