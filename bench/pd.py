@@ -55,25 +55,26 @@ def receiver_main(backend: str, secret: bytes, conn: Connection) -> None:
     import threading
 
     from runtime.auth.key import ClusterKey
+    from runtime.disagg.fence import WriteFence
     from runtime.disagg.receiver import KVReceiver
     from runtime.disagg.tally import Tally
     from runtime.disagg.transfer.base import create_transfer
 
     pool = make_pool()
-    transfer = create_transfer(backend, pool, "bench-decode")
     arrival = threading.Event()
-    transfer.on_arrival = arrival.set
+    fence = WriteFence(arrival.set)
+    transfer = create_transfer(backend, pool, "bench-decode", fence)
     receiver = KVReceiver("127.0.0.1", 0, transfer, ClusterKey(secret), "bench-decode",
                           lambda: None, Tally())
     conn.send((transfer.local_info(), receiver.port))
     while True:
         room, dst = conn.recv()
-        transfer.expect(room, dst, "bench-prefill")
+        fence.expect(room, dst, "bench-prefill")
         conn.send("expecting")
-        while transfer.arrived(room) is None:
+        while fence.arrived(room) is None:
             arrival.wait()
             arrival.clear()
-        transfer.discard(room)
+        fence.discard(room)
         conn.send(room)
 
 

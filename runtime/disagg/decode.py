@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from runtime.auth.ticket import peer_of
-from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.heartbeat import Heartbeats
 from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
 from runtime.disagg.lanes import Lanes
 from runtime.disagg.move import Mover
 from runtime.disagg.peers import Address, Ambiguous, PrefillClient
+from runtime.disagg.plane import KVPlane
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomTable, count_states
 from runtime.disagg.states import (
@@ -53,8 +53,6 @@ from runtime.disagg.states import (
     RoomState,
 )
 from runtime.disagg.states import DecodeState as D
-from runtime.disagg.tally import Tally
-from runtime.disagg.transfer.base import KVTransfer
 from runtime.disagg.wire import AuxRecord, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
 from runtime.messages import DisaggStats
@@ -85,18 +83,18 @@ class DecodeRole(Generic[R]):
     scheduler: SchedulerPort[R]
     handoffs: HandoffPort[R]  # the scheduler's: room for a request, prebuilt ones, the KV fence
     kv: KVCacheManager
-    transfer: KVTransfer
+    plane: KVPlane  # its fence wakes the loop when KV arrives (`wake`, given to open_plane)
     client: PrefillClient
     receiver: KVReceiver
     config: DisaggConfig
     wake: Callable[[], None]
     vocab_size: int
-    tally: Tally  # KV-plane events counted on the receiver's threads
     stats: DisaggStats = field(default_factory=DisaggStats)
-    canary: HandoffCanary | None = None  # checks the prompt KV on arrival
     mover: Mover[R] | None = None  # drains by moving its streams' KV to another decode
 
     def __post_init__(self) -> None:
+        self.transfer, self.fence, self.tally = self.plane.transfer, self.plane.fence, self.plane.tally
+        self.canary = self.plane.canary  # checks the prompt KV on arrival
         self.rooms: RoomTable[_Room[R]] = RoomTable()  # the scheduler loop's thread only
         self.prealloc: deque[int] = deque()
         self.lanes = Lanes("decode-peers")  # per prefill: a frozen one holds up only its own
@@ -104,7 +102,6 @@ class DecodeRole(Generic[R]):
         self.heartbeats = Heartbeats(
             self.client.alive, lambda addr, fn: self.lanes.submit((addr, "health"), fn, addr),
             self.config, self.wake)
-        self.transfer.on_arrival = self.wake
         self._aborted: list[R] = []
 
     def add(self, req: R) -> None:
@@ -153,7 +150,7 @@ class DecodeRole(Generic[R]):
             except queue.Empty:
                 return
             r = self.rooms.get(frame.room)
-            if r is None or self.transfer.peer_of(frame.room) != prefill:
+            if r is None or self.fence.peer_of(frame.room) != prefill:
                 continue  # a room we already ended, or not one this prefill was given
             if r.room.state in (D.FAILED, D.FAILED_UNSEEN):
                 r.room.move(D.FAILED_SETTLED)  # failed here first: the prefill writes no more
@@ -183,7 +180,7 @@ class DecodeRole(Generic[R]):
             self._register(r, touched)
             if r.room.state is not D.WAITING_FOR_INPUT:
                 return  # (the KV may have arrived before the prefill's answer to POST /rooms)
-        if (aux := self.transfer.arrived(r.number)) is not None:
+        if (aux := self.fence.arrived(r.number)) is not None:
             r.room.move(D.TRANSFERRING)  # the prefill writes no more
             self._prebuilt(r, aux, touched)
         elif r.room.waited() > self.config.waiting_timeout_s:  # waiting for input, or to land
@@ -209,7 +206,7 @@ class DecodeRole(Generic[R]):
                               len(r.req.origin_input_ids), list(r.req.kv_pages),
                               self.config.waiting_timeout_s, r.req.bootstrap_ticket)
         # the prefill the router's ticket names, or the one that answers at the address
-        self.transfer.expect(r.number, request.dst_pages, peer_of(r.req.bootstrap_ticket))
+        self.fence.expect(r.number, request.dst_pages, peer_of(r.req.bootstrap_ticket))
         r.room.move(D.REGISTERING)
         r.registering = self.lanes.submit(r.addr, self.client.register_room, r.addr, request)
         r.registering.add_done_callback(lambda _: self.wake())
@@ -239,7 +236,7 @@ class DecodeRole(Generic[R]):
         r.room.move(D.SUCCESS)
         self.stats.transfers += 1
         self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
-        self.transfer.discard(r.number)
+        self.fence.discard(r.number)
         self._drop(r)
         touched.extend(self.handoffs.process_prebuilt([r.req]))
 
@@ -270,14 +267,14 @@ class DecodeRole(Generic[R]):
         """A failed room: free its pages once no write for it can land in them."""
         if not self._writes_over(r):
             return
-        if r.room.state is not D.FAILED_SETTLED and self.transfer.arrived(r.number) is not None:
+        if r.room.state is not D.FAILED_SETTLED and self.fence.arrived(r.number) is not None:
             self.tally.add("late_write_contained")  # it came after we gave up: pages kept back
         self.kv.release(r.req)
-        self.transfer.discard(r.number)
+        self.fence.discard(r.number)
         self._drop(r)
 
     def _writes_over(self, r: _Room[R]) -> bool:
-        closed = self.transfer.revoke(r.number)  # no write is admitted at our door from now
+        closed = self.fence.revoke(r.number)  # no write is admitted at our door from now
         told = self._cancel(r)  # so the prefill neither computes nor sends it for nothing
         if not self.transfer.one_sided:
             return closed  # False while a write is landing: it ends, then we are woken
@@ -285,7 +282,7 @@ class DecodeRole(Generic[R]):
             return False  # the prefill may be taking our pages right now
         # FAILED_UNSEEN / FAILED_SETTLED: it never had them, or it said its last word
         return (r.room.state is not D.FAILED or told
-                or self.transfer.arrived(r.number) is not None)
+                or self.fence.arrived(r.number) is not None)
 
     def _cancel(self, r: _Room[R]) -> bool:
         """Ask the prefill to cancel the room (again every heartbeat interval until it answers);
@@ -303,7 +300,7 @@ class DecodeRole(Generic[R]):
 
     def _prefill_gone(self, addr: Address, touched: list[R]) -> None:
         rooms = [r for r in self.rooms.values() if r.addr == addr]
-        prefills = {self.transfer.peer_of(r.number) for r in rooms}
+        prefills = {self.fence.peer_of(r.number) for r in rooms}
         for r in rooms:
             self._fail(r, f"the prefill server at {addr[0]}:{addr[1]} stopped answering",
                        touched, "prefill_gone")
@@ -350,5 +347,4 @@ class DecodeRole(Generic[R]):
             self.mover.close()
         self.receiver.close()
         self.lanes.shutdown()
-        self.client.close()
-        self.transfer.close()
+        self.client.close()  # (the plane is closed by whoever opened it, after this)

@@ -46,13 +46,13 @@ class PrefillClient:
 
     def register_room(self, addr: Address, request: RoomRequest) -> str:
         """Tell the prefill at `addr` where to write `request.room`'s KV; its instance id. First
-        the room is bound to that instance (`KVTransfer.bind_peer`: only its links may write
+        the room is bound to that instance (`WriteFence.bind_peer`: only its links may write
         the pages). Raises RoomInUse, TransferError (it refused or cannot be reached, or the
         room ended meanwhile: nothing will be written) or Ambiguous."""
         for attempt in range(2):
             instance = self._ensure_registered(addr)
-            if not self.transfer.bind_peer(request.room, instance):
-                named = self.transfer.peer_of(request.room)
+            if not self.transfer.fence.bind_peer(request.room, instance):
+                named = self.transfer.fence.peer_of(request.room)
                 if named is not None and named != instance and attempt == 0:
                     self.forget(addr)  # the ticket names a newer instance: look again
                     continue
@@ -63,7 +63,7 @@ class PrefillClient:
                 return instance
             if resp.status_code == 404 and _code(resp) == "unknown_peer":
                 self.forget(addr)  # it restarted: introduce ourselves again
-                self.transfer.unbind_peer(request.room)  # to the new instance
+                self.transfer.fence.unbind_peer(request.room)  # to the new instance
                 continue
             if resp.status_code == 409 and _code(resp) == "room_in_use":
                 raise RoomInUse(error_message(resp))

@@ -38,18 +38,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
-from runtime.auth.key import ClusterKey
+from runtime.auth.signed import CallGate
 from runtime.auth.ticket import check_room
-from runtime.canary.handoff import HandoffCanary
 from runtime.config import DisaggConfig
 from runtime.disagg.bootstrap import BootstrapServer, PeerRejected, UnknownPeer
 from runtime.disagg.interfaces import HandoffPort, R, SchedulerPort
+from runtime.disagg.plane import KVPlane
 from runtime.disagg.rooms import Room, RoomError, RoomInUse, RoomTable, count_states
 from runtime.disagg.sender import KVSender, Sent
 from runtime.disagg.states import PREFILL, PREFILL_CANCELS, PREFILL_SENDING, STAGE, Stage
 from runtime.disagg.states import PrefillState as P
-from runtime.disagg.tally import Tally
-from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
+from runtime.disagg.transfer.base import TransferError, WriteInDoubt
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomRequest
 from runtime.kvcache.manager import KVCacheManager
 from runtime.messages import DisaggStats
@@ -86,21 +85,19 @@ class PrefillRole(Generic[R]):
     scheduler: SchedulerPort[R]
     handoffs: HandoffPort[R]  # the scheduler's: what it hands over, the KV fence
     kv: KVCacheManager
-    transfer: KVTransfer
+    plane: KVPlane  # the server's (a draining decode's mover sends on the decode's)
     sender: KVSender
     config: DisaggConfig
     wake: Callable[[], None]
-    key: ClusterKey = field(default_factory=ClusterKey.none)
-    tally: Tally = field(default_factory=Tally)  # KV-plane events, from the bootstrap threads
     stats: DisaggStats = field(default_factory=DisaggStats)
-    canary: HandoffCanary | None = None  # the KV canary's tags travel with the pages
-    owns_transfer: bool = True  # False: a draining decode's sender, on the decode's transfer
 
     def __post_init__(self) -> None:
-        self.instance_id = self.transfer.agent_name  # /route, the KV link proof, nixl's agent
+        self.transfer, self.key, self.tally = self.plane.transfer, self.plane.key, self.plane.tally
+        self.canary = self.plane.canary  # the KV canary's tags travel with the pages
+        self.instance_id = self.plane.name  # /route, the KV link proof, nixl's agent
         self.rooms: RoomTable[_Room[R]] = RoomTable()
         self.peers: dict[str, PeerRegistration] = {}
-        self.ready = False  # /route answers once the server can prefill
+        self.ready = False  # /route answers once started
         self.bootstrap: BootstrapServer | None = None
         # rooms a decode server cancelled before their request came: room -> when (a late
         # request fails at once instead of waiting out the bootstrap timeout)
@@ -388,11 +385,17 @@ class PrefillRole(Generic[R]):
     def drain(self) -> None:
         pass  # what it holds is sent or fails within the bootstrap timeout; the scheduler drains
 
+    def start(self, host: str) -> None:
+        """Open the bootstrap server (on `host`, the configured port): from now on decode
+        servers find this prefill and offer it rooms."""
+        self.bootstrap = BootstrapServer(host, self.config.bootstrap_port, self, CallGate(self.key),
+                                         self.tally)
+        self.ready = True
+
     def close(self) -> None:
         """Writes end first and the bootstrap port closes last: a decode that finds it refusing
-        connections may take it that this prefill writes nothing more."""
+        connections may take it that this prefill writes nothing more. (The plane is closed by
+        whoever opened it, after this.)"""
         self.sender.close()
-        if self.owns_transfer:
-            self.transfer.close()
         if self.bootstrap is not None:
             self.bootstrap.close()

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -46,6 +47,9 @@ from runtime.messages import (
 )
 from runtime.scheduler.outbox import HttpGone, Outbox
 from runtime.scheduler.roles import ColocatedRole, Role, build_role
+
+if TYPE_CHECKING:
+    from runtime.disagg.plane import KVPlane
 
 log = logging.getLogger("baton.scheduler")
 
@@ -106,6 +110,7 @@ class SchedulerLoop:
         self.poller.register(recv, zmq.POLLIN)
         self.poller.register(self.wakeup.r, zmq.POLLIN)
         self.role: Role = ColocatedRole(self.scheduler)  # the real one once warmed up
+        self.plane: KVPlane | None = None  # prefill and decode: opened with the role, closed after it
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
         self.last_sent = 0.0  # monotonic time of the last message to the HTTP process
@@ -122,8 +127,13 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
         while self.scheduler.has_work():
             self.scheduler.step()
-        self.role = build_role(self.args, self.scheduler, self.runner.pool, self.runner.vocab_size,
-                               self.wakeup.wake, self.runner.canary)
+        if self.args.role != "colocated":
+            from runtime.disagg.plane import open_plane
+
+            self.plane = open_plane(self.args, self.runner.pool, self.wakeup.wake,
+                                    self.runner.canary, self.scheduler.canary)
+        self.role = build_role(self.args, self.scheduler, self.plane, self.runner.vocab_size,
+                               self.wakeup.wake)
         kv = self.runner.kv
         self._send(
             SchedulerReady(
@@ -131,8 +141,8 @@ class SchedulerLoop:
                 vocab_size=self.runner.vocab_size,
                 kv_capacity_tokens=kv.allocator.num_pages * kv.page_size,
                 max_running_requests=self.scheduler.config.max_running_requests,
-                kv_transfer=self.role.transfer.describe() if self.role.transfer else None,
-                instance_id=self.role.transfer.agent_name if self.role.transfer else None,
+                kv_transfer=self.plane.transfer.describe() if self.plane else None,
+                instance_id=self.plane.name if self.plane else None,
                 page_size=kv.page_size,
                 prefix_cache=kv.cache is not None,
                 architecture=self.runner.model_config.architecture,
@@ -319,6 +329,8 @@ class SchedulerLoop:
 
     def close(self) -> None:
         self.role.close()
+        if self.plane is not None:
+            self.plane.close()
         self.scheduler.shutdown()
         self.wakeup.close()
 

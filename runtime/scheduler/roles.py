@@ -14,30 +14,23 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.config import ServerArgs
-from runtime.kvcache.pool import KVPool
 from runtime.messages import DisaggStats
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from runtime.canary.guard import CanaryGuard
+    from runtime.disagg.plane import KVPlane
     from runtime.disagg.prefill import PrefillRole
-    from runtime.disagg.transfer.base import KVTransfer
 
 log = logging.getLogger("baton.scheduler")
 
 
 class Role(Protocol):
-    @property
-    def transfer(self) -> KVTransfer | None:
-        """How KV moves to or from peers (prefill and decode roles)."""
-
     @property
     def stats(self) -> DisaggStats | None:
         """KV transfer counters (prefill and decode roles)."""
@@ -68,7 +61,6 @@ class ColocatedRole:
     """Prefill and decode in one server: requests go straight to the scheduler."""
 
     stats: DisaggStats | None = None
-    transfer: KVTransfer | None = None
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -109,44 +101,25 @@ def advertise_host(args: ServerArgs) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def build_role(
-    args: ServerArgs, scheduler: Scheduler, pool: KVPool, vocab_size: int, wake: Callable[[], None],
-    canary: CanaryGuard | None = None,
-) -> Role:
-    """The role for `args.role`, its KV transport started (bootstrap server or receiver);
-    `canary`: the runner's KV canary, whose tags then travel with the pages."""
-    if args.role == "colocated":
+def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vocab_size: int,
+               wake: Callable[[], None]) -> Role:
+    """The role for `args.role` over `plane` (runtime/disagg/plane.py; None when colocated),
+    its servers started (bootstrap server or KV receiver)."""
+    if args.role == "colocated" or plane is None:
         return ColocatedRole(scheduler)
-    from runtime.auth.key import load_cluster_key, warn_if_open
-    from runtime.canary.handoff import HandoffCanary
-    from runtime.disagg.tally import Tally
-    from runtime.disagg.transfer.base import create_transfer
+    from runtime.auth.key import warn_if_open
 
-    key = load_cluster_key(args.disagg.cluster_key_file)
-    name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"  # the instance id peers know it by
-    transfer = create_transfer(args.disagg.kv_transfer, pool, name)
-    handoff = None
-    if canary is not None and scheduler.canary is not None:
-        handoff = HandoffCanary(canary, scheduler.canary, pool.page_size)
-        transfer.layout = replace(transfer.layout, canary_tags=True,
-                                  canary_bytes=args.canary.kv_canary_bytes)
-    tally = Tally()
-
-    def sender(owns_transfer: bool = True) -> PrefillRole[Req]:
+    def sender() -> PrefillRole[Req]:
         """The sending side: a prefill's, or a draining decode's (its moved requests, on the
-        decode's transfer)."""
-        from runtime.auth.signed import CallGate
-        from runtime.disagg.bootstrap import BootstrapServer
+        decode's plane)."""
         from runtime.disagg.prefill import PrefillRole
         from runtime.disagg.sender import KVSender
 
-        warn_if_open(key, f"{args.role} {name} (bootstrap port {args.disagg.bootstrap_port})")
+        warn_if_open(plane.key, f"{args.role} {plane.name} (bootstrap port {args.disagg.bootstrap_port})")
         role: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.handoffs, scheduler.kv, transfer, KVSender(transfer, key),
-            args.disagg, wake, key, tally, canary=handoff, owns_transfer=owns_transfer)
-        role.bootstrap = BootstrapServer(args.host, args.disagg.bootstrap_port, role,
-                                         CallGate(key), tally)
-        role.ready = True
+            scheduler, scheduler.handoffs, scheduler.kv, plane, KVSender(plane.transfer, plane.key),
+            args.disagg, wake)
+        role.start(args.host)
         return role
 
     if args.role == "prefill":
@@ -157,15 +130,17 @@ def build_role(
     from runtime.disagg.receiver import KVReceiver
     from runtime.disagg.wire import PeerRegistration
 
-    receiver = KVReceiver(args.host, args.disagg.kv_port, transfer, key, name, wake, tally)
-    warn_if_open(key, f"decode {name} (KV port {receiver.port})")
-    me = PeerRegistration(name, advertise_host(args), receiver.port, asdict(transfer.layout),
+    transfer = plane.transfer
+    receiver = KVReceiver(args.host, args.disagg.kv_port, transfer, plane.key, plane.name, wake,
+                          plane.tally)
+    warn_if_open(plane.key, f"decode {plane.name} (KV port {receiver.port})")
+    me = PeerRegistration(plane.name, advertise_host(args), receiver.port, asdict(plane.layout),
                           transfer.name, transfer.local_info())
-    log.info("decode %s: KV receiver on %s:%d (%s)", name, me.receiver_host, me.receiver_port,
-             transfer.name)
-    mover = (Mover(scheduler.handoffs, sender(owns_transfer=False), me.receiver_host)
+    log.info("decode %s: KV receiver on %s:%d (%s)", plane.name, me.receiver_host,
+             me.receiver_port, transfer.name)
+    mover = (Mover(scheduler.handoffs, sender(), me.receiver_host)
              if args.disagg.move_kv_on_drain else None)
-    decode: DecodeRole[Req] = DecodeRole(
-        scheduler, scheduler.handoffs, scheduler.kv, transfer, PrefillClient(me, transfer, key, args.disagg.heartbeat_interval_s), receiver, args.disagg,
-        wake, vocab_size, tally, canary=handoff, mover=mover)
+    client = PrefillClient(me, transfer, plane.key, args.disagg.heartbeat_interval_s)
+    decode: DecodeRole[Req] = DecodeRole(scheduler, scheduler.handoffs, scheduler.kv, plane, client,
+                                         receiver, args.disagg, wake, vocab_size, mover=mover)
     return decode

@@ -159,7 +159,7 @@ class FakeClient:
             self.hold.wait(10)
         if self.register is not None:
             raise self.register
-        if not self.transfer.bind_peer(request.room, self.instance):
+        if not self.transfer.fence.bind_peer(request.room, self.instance):
             raise TransferError("room ended")
         self.rooms.append(request)
         return self.instance

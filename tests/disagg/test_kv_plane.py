@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.auth.key import ClusterKey
+from runtime.disagg.fence import WriteFence
 from runtime.disagg.handshake import HandshakeFailed, open_link
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.tally import Tally
@@ -45,13 +46,13 @@ class Receiver:
 
     def __init__(self, key: ClusterKey = KEY) -> None:
         self.pool = pool(16)
-        self.transfer: KVTransfer = create_transfer("tcp", self.pool, DECODE)
         self.woken = threading.Event()
+        self.transfer: KVTransfer = create_transfer("tcp", self.pool, DECODE,
+                                                    WriteFence(self.woken.set))
         self.tally = Tally()
         self.counts: dict[str, int] = {}
         self.receiver = KVReceiver("127.0.0.1", 0, self.transfer, key, DECODE,
                                    self.woken.set, self.tally)
-        self.transfer.on_arrival = self.woken.set
 
     def link(self, key: ClusterKey = KEY, prefill: str = PREFILL) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.receiver.port), timeout=5)
@@ -96,13 +97,13 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 def test_a_room_gets_its_pages_and_nothing_else_lands(rx: Receiver) -> None:
     before = rx.pool.buffer.clone()
-    rx.transfer.expect(7, [3, 4], PREFILL)
+    rx.transfer.fence.expect(7, [3, 4], PREFILL)
     with rx.link() as sock:
         send_pages(sock, rx.pool, 7, [5, 6], 0xAA)  # not the room's pages
         send_pages(sock, rx.pool, 8, [3, 4], 0xAB)  # a room nobody expects
         send_pages(sock, rx.pool, 7, [3, 4], 0xCC)  # the room's own: lands
         send_frame(sock, RoomDone(AuxRecord(7, "r", 20, 1)))
-        eventually(lambda: rx.transfer.arrived(7) is not None)
+        eventually(lambda: rx.transfer.fence.arrived(7) is not None)
     rows = rx.pool.page_rows()
     assert bool((rows[3:5] == 0xCC).all())
     untouched = [p for p in range(16) if p not in (3, 4)]
@@ -112,7 +113,7 @@ def test_a_room_gets_its_pages_and_nothing_else_lands(rx: Receiver) -> None:
 
 def test_another_prefill_cannot_write_a_room_nor_end_it(rx: Receiver) -> None:
     before = rx.pool.buffer.clone()
-    rx.transfer.expect(7, [3, 4], PREFILL)
+    rx.transfer.fence.expect(7, [3, 4], PREFILL)
     with rx.link(prefill="baton-prefill-intruder") as sock:
         send_pages(sock, rx.pool, 7, [3, 4], 0xEE)
         send_frame(sock, RoomDone(AuxRecord(7, "r", 20, 1)))
@@ -120,40 +121,40 @@ def test_another_prefill_cannot_write_a_room_nor_end_it(rx: Receiver) -> None:
         eventually(lambda: rx.count("refused_write") == 1)
         eventually(lambda: not rx.receiver.failed.empty())
     assert torch.equal(rx.pool.buffer, before)
-    assert rx.transfer.arrived(7) is None
+    assert rx.transfer.fence.arrived(7) is None
     prefill, frame = rx.receiver.failed.get_nowait()
     assert (prefill, frame.room) == ("baton-prefill-intruder", 7)  # the decode role ignores it: not that room's
-    assert rx.transfer.peer_of(7) == PREFILL
+    assert rx.transfer.fence.peer_of(7) == PREFILL
 
 
 def test_a_revoked_room_waits_for_its_landing_write_then_refuses_the_rest(rx: Receiver) -> None:
     """The fence: revoke() while a write is landing says 'not yet'; once the write breaks off
     (the link is cut) the pages may be freed, and a late write is read into nothing."""
-    rx.transfer.expect(7, [3, 4], PREFILL)
+    rx.transfer.fence.expect(7, [3, 4], PREFILL)
     sock = rx.link()
     half = rx.pool.page_bytes
     send_frame(sock, PagesFrame(7, [3, 4], 2 * half))
     sock.sendall(b"\x11" * half)  # one page of two: the receiver is landing the room
-    eventually(lambda: rx.transfer._rooms[7].landing)
-    assert rx.transfer.revoke(7) is False
+    eventually(lambda: rx.transfer.fence._rooms[7].landing)
+    assert rx.transfer.fence.revoke(7) is False
     rx.woken.clear()
     rx.receiver.close_links(PREFILL)  # the decode declared this prefill gone
     assert rx.woken.wait(5), "the end of the landing must wake the decode role"
-    assert rx.transfer.revoke(7) is True
+    assert rx.transfer.fence.revoke(7) is True
     sock.close()
     before = rx.pool.buffer.clone()
     with rx.link() as late:  # the prefill comes back and finishes the room
         send_pages(late, rx.pool, 7, [3, 4], 0x22)
         send_frame(late, RoomDone(AuxRecord(7, "r", 20, 1)))
         eventually(lambda: rx.count("refused_write") == 1)
-    assert torch.equal(rx.pool.buffer, before) and rx.transfer.arrived(7) is None
+    assert torch.equal(rx.pool.buffer, before) and rx.transfer.fence.arrived(7) is None
 
 
 def test_wrong_or_missing_key_gets_no_link_and_writes_nothing() -> None:
     rx = Receiver()
     try:
         before = rx.pool.buffer.clone()
-        rx.transfer.expect(7, [3], PREFILL)
+        rx.transfer.fence.expect(7, [3], PREFILL)
         with pytest.raises(HandshakeFailed):
             rx.link(key=ClusterKey(b"x" * 32))
         with socket.create_connection(("127.0.0.1", rx.receiver.port), timeout=5) as raw:
@@ -202,7 +203,7 @@ def test_a_receiver_that_cannot_prove_the_key_gets_nothing() -> None:
 ])
 def test_a_malformed_frame_closes_its_link_and_nothing_else(rx: Receiver, bad: str) -> None:
     before = rx.pool.buffer.clone()
-    rx.transfer.expect(7, [3], PREFILL)
+    rx.transfer.fence.expect(7, [3], PREFILL)
     raw = {
         "room_as_list": FRAMES.encode(RoomFailed(1, "x")).replace(b"\x01", b"\x91\x01", 1),
         "negative_room": msgpack.packb({"__msg__": "RoomFailed", "room": -5, "reason": "x"}),
@@ -224,7 +225,7 @@ def test_a_malformed_frame_closes_its_link_and_nothing_else(rx: Receiver, bad: s
     with rx.link() as sock:  # the receiver still serves
         send_pages(sock, rx.pool, 7, [3], 0x44)
         send_frame(sock, RoomDone(AuxRecord(7, "r", 10, 1)))
-        eventually(lambda: rx.transfer.arrived(7) is not None)
+        eventually(lambda: rx.transfer.fence.arrived(7) is not None)
 
 
 def test_too_many_unproven_links_are_closed(rx: Receiver) -> None:

@@ -13,8 +13,8 @@ import pytest
 
 from runtime.disagg.decode import DecodeRole
 from runtime.disagg.peers import Ambiguous
+from runtime.disagg.plane import KVPlane
 from runtime.disagg.rooms import RoomInUse, RoomState
-from runtime.disagg.tally import Tally
 from runtime.disagg.transfer.base import TransferError
 from runtime.disagg.transfer.tcp import TcpTransfer
 from runtime.disagg.wire import AuxRecord, RoomFailed
@@ -39,11 +39,12 @@ class World:
         self.kv, pool = kv_manager()
         self.scheduler = FakeScheduler(self.kv)
         self.transfer = (OneSided if one_sided else TcpTransfer)(pool, "baton-decode-D")
+        self.fence = self.transfer.fence
         self.client = FakeClient(self.transfer, PREFILL)
         self.receiver = FakeReceiver()
         self.role: DecodeRole[Req] = DecodeRole(
-            self.scheduler, self.scheduler, self.kv, self.transfer, self.client, self.receiver,  # type: ignore[arg-type]
-            CONFIG, lambda: None, 1000, Tally())
+            self.scheduler, self.scheduler, self.kv, KVPlane(self.transfer), self.client,  # type: ignore[arg-type]
+            self.receiver, CONFIG, lambda: None, 1000)  # type: ignore[arg-type]
 
     def registered(self, req: Req) -> None:
         """Add `req` and poll until its room waits for the prefill's KV."""
@@ -55,7 +56,7 @@ class World:
     def arrive(self, req: Req, token: int = 9, room: int | None = None) -> None:
         aux = AuxRecord(room if room is not None else req.bootstrap_room, req.rid,  # type: ignore[arg-type]
                         len(req.origin_input_ids), token)
-        self.transfer._arrive(aux, PREFILL)
+        self.fence.arrive(aux, PREFILL)
 
 
 @pytest.fixture(params=[False, True], ids=["tcp", "one-sided"])
@@ -78,7 +79,7 @@ def test_pages_fence_registration_then_kv_then_prebuilt(w: World) -> None:
     polls_until(w.role, lambda: state(w.role, 1) is RoomState.WAITING_FOR_INPUT)
     (sent,) = w.client.rooms
     assert (sent.room, sent.dst_pages, sent.prompt_len) == (1, req.kv_pages, 10)
-    assert w.transfer.peer_of(1) == PREFILL
+    assert w.fence.peer_of(1) == PREFILL
     w.arrive(req)
     touched = w.role.poll()
     assert touched == [req] and w.scheduler.prebuilt == [req] and req.output_ids == [9]
@@ -190,13 +191,13 @@ def test_a_landing_write_holds_the_pages_until_it_ends(w: World) -> None:
         pytest.skip("a one-sided write has no landing to see")
     req = request("r8", 8)
     w.registered(req)
-    assert w.transfer._admit(8, list(req.kv_pages), PREFILL)  # the receiver is filling them
+    assert w.fence.admit(8, list(req.kv_pages), PREFILL)  # the receiver is filling them
     w.role.abort("r8", "client left")
     w.role.poll()
     assert req.finished and not w.kv.is_all_free()
-    w.transfer._landed(8, False)  # the link broke off mid-room
+    w.fence.landed(8, False)  # the link broke off mid-room
     w.role.poll()
-    assert w.kv.is_all_free() and not w.transfer._admit(8, [0, 1, 2], PREFILL)
+    assert w.kv.is_all_free() and not w.fence.admit(8, [0, 1, 2], PREFILL)
 
 
 def test_abort_and_duplicates(w: World) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from runtime.disagg.plane import KVPlane
 from runtime.disagg.prefill import PrefillRole
 from runtime.disagg.rooms import RoomInUse, RoomState
 from runtime.disagg.transfer.base import TransferError, WriteInDoubt
@@ -35,8 +36,8 @@ class World:
         self.sender = FakeSender()
         self.woken = 0
         self.role: PrefillRole[Req] = PrefillRole(
-            self.scheduler, self.scheduler, self.kv, TcpTransfer(pool, "baton-prefill-A"), self.sender,  # type: ignore[arg-type]
-            CONFIG, self.wake)
+            self.scheduler, self.scheduler, self.kv, KVPlane(TcpTransfer(pool, "baton-prefill-A")),
+            self.sender, CONFIG, self.wake)  # type: ignore[arg-type]
         self.role.register_peer(PeerRegistration(DECODE, "10.0.0.2", 8999,
                                                  {"num_layers": 2, "page_size": 4,
                                                   "num_kv_heads": 2, "head_dim": 8,

@@ -10,6 +10,7 @@ import uuid
 import pytest
 import torch
 
+from runtime.disagg.fence import WriteFence
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer, layout_of
 from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, header_limit, recv_frame
 from runtime.kvcache.pool import KVPool
@@ -30,8 +31,8 @@ def pages_equal(a: KVPool, a_pages: list[int], b: KVPool, b_pages: list[int]) ->
     return True
 
 
-def transfer(name: str, p: KVPool) -> KVTransfer:
-    return create_transfer(name, p, f"test-{uuid.uuid4().hex[:8]}")
+def transfer(name: str, p: KVPool, fence: WriteFence | None = None) -> KVTransfer:
+    return create_transfer(name, p, f"test-{uuid.uuid4().hex[:8]}", fence)
 
 
 def aux_for(room: int) -> AuxRecord:
@@ -41,9 +42,9 @@ def aux_for(room: int) -> AuxRecord:
 
 
 def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: list[int]) -> None:
-    sender, receiver = transfer(name, src), transfer(name, dst)
     arrivals = threading.Semaphore(0)
-    receiver.on_arrival = arrivals.release
+    fence = WriteFence(arrivals.release)
+    sender, receiver = transfer(name, src), transfer(name, dst, fence)
     sender.connect("decode", receiver.local_info())
     a, b = socket.socketpair()
     me = sender.agent_name  # the prefill's instance id: its links and nixl agent carry it
@@ -58,7 +59,7 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
             assert isinstance(done, RoomDone)
             assert receiver.read_done(done.aux, me)
 
-    receiver.expect(77, dst_pages, me)
+    fence.expect(77, dst_pages, me)
     t = threading.Thread(target=receive)
     t.start()
     nbytes = sender.write("decode", a, src_pages, dst_pages, aux_for(77))
@@ -67,20 +68,20 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
     assert nbytes == len(src_pages) * per_page * src.buffer.element_size()
     assert nbytes == len(src_pages) * layout_of(src).page_bytes == len(src_pages) * src.page_bytes
     assert arrivals.acquire(timeout=10), "on_arrival was not called"
-    assert receiver.arrived(77) == aux_for(77)
-    assert receiver.arrived(78) is None
-    receiver.discard(77)
-    assert receiver.arrived(77) is None
+    assert fence.arrived(77) == aux_for(77)
+    assert fence.arrived(78) is None
+    fence.discard(77)
+    assert fence.arrived(77) is None
     # a room nobody expects (it ended before its KV came) is not kept: it would leak
-    receiver.expect(79, [], me)
+    fence.expect(79, [], me)
     for room in (78, 79):
         if name == "nixl":
             sender.write("decode", a, [], [], aux_for(room))
         else:
-            receiver._landed(room, True)  # (what read_pages of an empty page list leaves)
+            fence.landed(room, True)  # (what read_pages of an empty page list leaves)
             receiver.read_done(aux_for(room), me)
     assert arrivals.acquire(timeout=10)
-    assert receiver.arrived(79) == aux_for(79) and receiver.arrived(78) is None
+    assert fence.arrived(79) == aux_for(79) and fence.arrived(78) is None
     a.close(), b.close()
     sender.close(), receiver.close()
 

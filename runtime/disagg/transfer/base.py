@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import importlib
 import socket
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from runtime.disagg.fence import WriteFence
 from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame
 from runtime.kvcache.pool import KVPool
 
@@ -40,43 +39,24 @@ def layout_of(pool: KVPool) -> KVLayout:
     return KVLayout(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, dtype)
 
 
-@dataclass
-class _Expected:
-    """A room the decode side waits for: the only pages a write for it may touch, and the one
-    prefill instance that may write them."""
-
-    pages: list[int]
-    given: str | None  # the prefill named by `expect` (the ticket's), if any
-    peer: str | None  # None until the prefill's instance id is known (bind_peer)
-    landing: bool = False  # tcp: the receiver is filling its pages right now
-    written: bool = False  # tcp: a write filled every page (its RoomDone may count)
-    revoked: bool = False  # the room ended: no write for it is admitted any more
-
-
 class KVTransfer(ABC):
-    """Prefill side: `connect` a peer, `write` a room. Decode side: `expect` a room (its pages,
-    the prefill that may write them), then `arrived(room)` gives its aux record once every page
-    is in place (`on_arrival` is called then, from whichever thread saw it); when the room ended,
-    `revoke` it and free its pages once that says no write can land, then `discard` it.
-
-    The fence (docs/kv-plane.md): every check and every state change of a room is made under one
-    lock, so a write is admitted only into the pages of a room that is expected, not revoked and
-    written by its own prefill; `revoke` closes that door and says whether a write is under way.
-    A backend whose writes pass through our receiver (tcp) can so refuse every late write;
-    a one-sided backend (`one_sided`, nixl) cannot, and the decode role waits for the prefill's
-    word instead."""
+    """Moves bytes, nothing more. Prefill side: `connect` a peer, `write` a room. Decode side:
+    the backend puts what arrives into the pool through `fence` (runtime/disagg/fence.py), the
+    decode's write fence: which pages a write for a room may touch and which prefill may write
+    them, checked before a write lands where the backend can (`read_pages`, tcp), and told when
+    a room's KV is in place (`fence.arrive`). A one-sided backend (`one_sided`, nixl) cannot
+    refuse a write at our door, and the decode role waits for the prefill's word instead."""
 
     name = ""
     one_sided = False
 
-    def __init__(self, pool: KVPool, agent_name: str) -> None:
+    def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
+                 layout: KVLayout | None = None) -> None:
+        """`layout`: what peers must agree on (default: the pool's, with no canary tags)."""
         self.pool = pool
         self.agent_name = agent_name
-        self.layout = layout_of(pool)
-        self.on_arrival: Callable[[], None] = lambda: None
-        self._rooms: dict[int, _Expected] = {}
-        self._arrived: dict[int, AuxRecord] = {}
-        self._rooms_lock = threading.Lock()
+        self.fence = fence if fence is not None else WriteFence()
+        self.layout = layout if layout is not None else layout_of(pool)
 
     def describe(self) -> dict[str, Any]:
         """What must match between a prefill and a decode server for this backend to move pages
@@ -112,96 +92,12 @@ class KVTransfer(ABC):
         """A RoomDone arrived on `peer`'s link, behind its pages (tcp backend only)."""
         raise TransferError(f"{self.name} backend got a RoomDone; peers disagree on the backend")
 
-    def expect(self, room: int, pages: list[int], peer: str | None = None) -> None:
-        """`room`'s `pages` may be written from now on, by prefill `peer` (or the one
-        `bind_peer` names), until it arrived or is revoked."""
-        with self._rooms_lock:
-            self._rooms[room] = _Expected(list(pages), peer, peer)
-
-    def bind_peer(self, room: int, peer: str) -> bool:
-        """Name the prefill that may write `room` if none is named yet; False when the room is
-        revoked or another prefill is named (the caller must not hand it the pages)."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            if e is None or e.revoked:
-                return False
-            if e.peer is None:
-                e.peer = peer
-            return e.peer == peer
-
-    def unbind_peer(self, room: int) -> None:
-        """Undo `bind_peer` (the prefill it named refused the room: it never had the pages)."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            if e is not None and not e.landing:
-                e.peer = e.given
-
-    def peer_of(self, room: int) -> str | None:
-        """The prefill that may write `room` (None: not expected, or not known yet)."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            return e.peer if e is not None else None
-
-    def _admit(self, room: int, pages: list[int], peer: str) -> bool:
-        """A write of `pages` for `room` from `peer` may start: mark it landing (tcp)."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            if e is None or e.revoked or e.landing or e.peer != peer or e.pages != pages:
-                return False
-            e.landing = True
-            return True
-
-    def _landed(self, room: int, complete: bool) -> None:
-        """The write `_admit` let in is over: `complete`, or broken off."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            if e is not None:
-                e.landing, e.written = False, complete
-            revoked = e is not None and e.revoked
-        if revoked:
-            self.on_arrival()  # the decode role may free the pages now
-
-    def _arrive(self, aux: AuxRecord, peer: str, written: bool = False) -> bool:
-        """Every page of `aux.room` is in place: keep its aux record if the room is expected
-        from `peer` (an ended room is not waited for: keeping it would leak) and, where asked
-        (`written`), a complete write of its pages was admitted. A revoked room's record is
-        kept too: for a one-sided backend it is the proof that its write is over."""
-        with self._rooms_lock:
-            e = self._rooms.get(aux.room)
-            if e is None or e.peer != peer or aux.room in self._arrived:
-                return False
-            if written and not e.written:
-                return False
-            self._arrived[aux.room] = aux
-        self.on_arrival()
-        return True
-
-    def arrived(self, room: int) -> AuxRecord | None:
-        """The room's aux record once every page of it is in place, else None."""
-        with self._rooms_lock:
-            return self._arrived.get(room)
-
-    def revoke(self, room: int) -> bool:
-        """Admit no more writes for `room`; True when none is landing now, so its pages may be
-        freed (for a one-sided backend that is not enough: see `one_sided`)."""
-        with self._rooms_lock:
-            e = self._rooms.get(room)
-            if e is None:
-                return True
-            e.revoked = True
-            return not e.landing
-
-    def discard(self, room: int) -> None:
-        """Forget `room` (it ended and its pages are freed or handed to the scheduler)."""
-        with self._rooms_lock:
-            self._rooms.pop(room, None)
-            self._arrived.pop(room, None)
-
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
 
-def create_transfer(name: str, pool: KVPool, agent_name: str) -> KVTransfer:
+def create_transfer(name: str, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
+                    layout: KVLayout | None = None) -> KVTransfer:
     if name not in _BACKENDS:
         raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(_BACKENDS)}")
     module, _, cls = _BACKENDS[name].partition(":")
@@ -210,5 +106,5 @@ def create_transfer(name: str, pool: KVPool, agent_name: str) -> KVTransfer:
     except ImportError as e:
         raise TransferError(f"KV transfer {name!r} is not available here ({e}); "
                             "use --kv-transfer tcp") from e
-    backend: KVTransfer = getattr(mod, cls)(pool, agent_name)
+    backend: KVTransfer = getattr(mod, cls)(pool, agent_name, fence, layout)
     return backend

@@ -10,9 +10,9 @@ in place, with nothing on the TCP link (that carries only RoomFailed).
 Progress: nixl's own progress thread (pthrDelay 0, not settable from Python) kept a core busy
 in every process with a connected peer, idle or not; on a 2-core host that made PD decode ~1.8x
 slower per token. So the agent runs without it: the prefill progresses its WRITE by polling its
-state, and the decode progresses only while it expects KV (`expect(room)` until it arrived),
-from a small thread that polls notifications every PROGRESS_S and wakes the scheduler loop
-(`on_arrival`) when a room's KV has arrived.
+state, and the decode progresses only while its fence expects KV (`WriteFence.expect(room)`
+until it arrived), from a small thread that polls notifications every PROGRESS_S and hands the
+aux records to the fence (`arrive`, which wakes the scheduler loop).
 Host memory (DRAM) on CPU, device memory (VRAM) where the pool is on a GPU.
 """
 
@@ -30,14 +30,16 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from runtime.device import bind_thread
+from runtime.disagg.fence import WriteFence
 from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
-from runtime.disagg.wire import FRAMES, AuxRecord
+from runtime.disagg.wire import FRAMES, AuxRecord, KVLayout
 from runtime.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
 
 WRITE_TIMEOUT_S = 60.0
 PROGRESS_S = 0.0005  # decode side: poll for notifications this often while a room is expected
+IDLE_WAIT_S = 0.25  # with none expected: how long the progress thread sleeps between looks
 
 
 @dataclass
@@ -69,8 +71,9 @@ class NixlTransfer(KVTransfer):
     name = "nixl"
     one_sided = True  # the prefill WRITEs into our pool: we cannot refuse a write at our door
 
-    def __init__(self, pool: KVPool, agent_name: str) -> None:
-        super().__init__(pool, agent_name)
+    def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
+                 layout: KVLayout | None = None) -> None:
+        super().__init__(pool, agent_name, fence, layout)
         self.mem, self.dev = _mem_type(pool)
         self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False,
                                                               backends=["UCX"]))
@@ -79,7 +82,6 @@ class NixlTransfer(KVTransfer):
         self.agent.register_memory([pool.buffer])
         self.addr = pool.buffer.data_ptr()
         self.peers: dict[str, _Peer] = {}
-        self._wake = threading.Event()
         self._closed = False
         self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress",
                                           daemon=True)
@@ -160,16 +162,10 @@ class NixlTransfer(KVTransfer):
             with self._lock:
                 state = self.agent.check_xfer_state(handle)
 
-    def expect(self, room: int, pages: list[int], peer: str | None = None) -> None:
-        super().expect(room, pages, peer)
-        self._wake.set()
-
     def _progress_loop(self) -> None:
         bind_thread(self.pool.device)
         while not self._closed:
-            if not self._rooms:
-                self._wake.wait(1.0)
-                self._wake.clear()
+            if not self.fence.expecting(IDLE_WAIT_S):
                 continue
             self._poll()
             time.sleep(PROGRESS_S)
@@ -187,11 +183,10 @@ class NixlTransfer(KVTransfer):
                     log.error("nixl: a notification from %s is no aux record: %s", agent, e)
                     continue
                 if isinstance(aux, AuxRecord):
-                    self._arrive(aux, agent)  # the sender's agent name is its instance id
+                    self.fence.arrive(aux, agent)  # the sender's agent name is its instance id
 
     def close(self) -> None:
         self._closed = True
-        self._wake.set()
         self._progress.join(2)
         for peer in list(self.peers):
             self.forget(peer)

@@ -7,7 +7,7 @@ from one pool to the other with no copy of ours; runs of adjacent pages travel a
 pool on a GPU goes through host staging. The room's RoomDone (its aux record) follows its pages
 on the link, so it arrives when they are in place. The fallback where nixl is missing.
 Every write passes the decode's receiver, which admits it only into the pages of a room expected
-from that link's prefill (`KVTransfer._admit`, under the lock `revoke` takes): a refused room's
+from that link's prefill (`WriteFence.admit`, under the lock `revoke` takes): a refused room's
 bytes are read into a scratch buffer and dropped, so no late or foreign write lands.
 """
 
@@ -17,8 +17,9 @@ import socket
 
 import torch
 
+from runtime.disagg.fence import WriteFence
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import AuxRecord, LinkClosed, PagesFrame, RoomDone, send_frame
+from runtime.disagg.wire import AuxRecord, KVLayout, LinkClosed, PagesFrame, RoomDone, send_frame
 from runtime.kvcache.pool import KVPool
 
 IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (the kernel allows 1024)
@@ -80,8 +81,9 @@ def recv_views(sock: socket.socket, parts: list[memoryview]) -> None:
 class TcpTransfer(KVTransfer):
     name = "tcp"
 
-    def __init__(self, pool: KVPool, agent_name: str) -> None:
-        super().__init__(pool, agent_name)
+    def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
+                 layout: KVLayout | None = None) -> None:
+        super().__init__(pool, agent_name, fence, layout)
         self.rows = pool.page_rows()  # [num_pages, page_bytes] uint8
         self.on_cpu = pool.device.type == "cpu"
 
@@ -104,7 +106,7 @@ class TcpTransfer(KVTransfer):
         if n > self.pool.num_pages or frame.nbytes != n * page_bytes:
             raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
                                 f"{page_bytes} bytes (a pool of {self.pool.num_pages} pages)")
-        if not self._admit(frame.room, frame.dst_pages, peer):
+        if not self.fence.admit(frame.room, frame.dst_pages, peer):
             skip(link, frame.nbytes)  # not this room's pages, or not now: they land nowhere
             return False
         complete = False
@@ -118,9 +120,9 @@ class TcpTransfer(KVTransfer):
                 self.rows.index_copy_(0, dst, staging.to(self.rows.device))
             complete = True
         finally:
-            self._landed(frame.room, complete)
+            self.fence.landed(frame.room, complete)
         return True
 
     def read_done(self, aux: AuxRecord, peer: str) -> bool:
         # its pages came first on this link: it counts only if they were admitted and complete
-        return self._arrive(aux, peer, written=True)
+        return self.fence.arrive(aux, peer, written=True)
