@@ -35,6 +35,9 @@ BLOCK_M = 32  # extend: query tokens per program
 # float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
 # thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
 BLOCK_N_IEEE = 32
+# the largest head the kernels take: at 256 (Gemma) ptxas spills the float32 decode and every
+# extend kernel (tests/attention/test_triton_compile.py); `auto` then falls back to torch
+MAX_HEAD_DIM = 128
 
 
 # kernel argument lists read better packed than one per line
@@ -49,20 +52,22 @@ if triton is not None:
 
     @triton.jit
     def _attend(  # type: ignore[no-untyped-def]
-        q, K, V, Table, row, kvh, n, valid, sees, d, m_i, l_i, acc, scale,
+        q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc, scale,
         stride_kp, stride_kt, stride_kh, stride_tr, PAGE: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Fold one block of keys (positions n; `sees`: which query row may see which) into the
-        online softmax of q's rows: K/V rows are read from the pool through the table."""
+        online softmax of q's rows: K/V rows are read from the pool through the table (`dmask`:
+        the head's real columns, where its dim is padded to a power of two)."""
         slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
         at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
-        k = tl.load(K + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(K + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [rows, keys]
         s = tl.where(sees, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -72,37 +77,39 @@ if triton is not None:
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
-        BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         seq_len = tl.load(SeqLens + b)
         row = tl.load(ReqIdx + b)
         g = tl.arange(0, GROUP_P2)
-        d = tl.arange(0, D)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
         heads = kvh * GROUP + g
+        rows = (g < GROUP)[:, None] & dmask[None, :]
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+                    mask=rows, other=0.0)
         m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, D], tl.float32)
+        acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
         for start in range(0, seq_len, BLOCK):
             n = start + tl.arange(0, BLOCK)
             valid = n < seq_len
             m_i, l_i, acc = _attend(
-                q, K, V, Table, row, kvh, n, valid, valid[None, :], d, m_i, l_i, acc, scale,
+                q, K, V, Table, row, kvh, n, valid, valid[None, :], d, dmask, m_i, l_i, acc, scale,
                 stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
             )
         out = acc / l_i[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=(g < GROUP)[:, None])
+                 out.to(Out.dtype.element_ty), mask=rows)
 
     @triton.jit
     def _extend_kernel(  # type: ignore[no-untyped-def]
         Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
-        PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
     ):
         i = tl.program_id(0)
@@ -116,24 +123,26 @@ if triton is not None:
             kvh = h // GROUP
             mq = first + tl.arange(0, BLOCK_Q)  # query index among the request's new tokens
             q_valid = mq < ext_len
-            d = tl.arange(0, D)
+            d = tl.arange(0, BLOCK_D)
+            dmask = d < D
+            rows = q_valid[:, None] & dmask[None, :]
             q = tl.load(Q + (q_at + mq)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                        mask=q_valid[:, None], other=0.0)
+                        mask=rows, other=0.0)
             m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q], tl.float32)
-            acc = tl.zeros([BLOCK_Q, D], tl.float32)
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
             kv_len = prefix + tl.minimum(ext_len, first + BLOCK_Q)  # what its last query sees
             for start in range(0, kv_len, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 valid = n < kv_len
                 sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])  # causal
                 m_i, l_i, acc = _attend(
-                    q, K, V, Table, row, kvh, n, valid, sees, d, m_i, l_i, acc, scale,
+                    q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc, scale,
                     stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
                 )
             out = acc / l_i[:, None]
             tl.store(Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
-                     out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+                     out.to(Out.dtype.element_ty), mask=rows)
 
     @triton.jit
     def _store_kv_kernel(  # type: ignore[no-untyped-def]
@@ -148,6 +157,12 @@ if triton is not None:
         tl.store(KPool + at + i, tl.load(K + t * stride_k + i, mask=m), mask=m)
         tl.store(VPool + at + i, tl.load(V + t * stride_v + i, mask=m), mask=m)
 # fmt: on
+
+
+def block_d(head_dim: int) -> int:
+    """The kernels' head columns: a power of two >= 16 (what tl.dot takes); a head_dim short of
+    it (80, 96) is padded, its extra columns masked off (loaded as 0, never stored)."""
+    return max(16, next_pow2(head_dim))
 
 
 def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> list[int]:
@@ -175,8 +190,8 @@ def paged_decode(
         _decode_kernel,
         (b, pool.num_kv_heads),
         (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
-        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, next_pow2(group)), D=d, BLOCK=BLOCK_N,
-             IEEE=pool.dtype == torch.float32),
+        dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, next_pow2(group)), D=d,
+             BLOCK_D=block_d(d), BLOCK=BLOCK_N, IEEE=pool.dtype == torch.float32),
         out,
     )  # fmt: skip
 
@@ -204,8 +219,8 @@ def paged_extend(
         (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
         (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
          *_strides(q, out, k, table)),
-        dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_Q=BLOCK_M,
-             BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
+        dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_D=block_d(d),
+             BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
         out,
     )  # fmt: skip
 
@@ -235,9 +250,9 @@ class TritonAttention(AttentionBackend):
                 f"triton attention needs a CUDA pool, not {pool.device} "
                 "(or TRITON_INTERPRET=1, for tests)"
             )
-        if pool.head_dim & (pool.head_dim - 1) or pool.head_dim < 16:
+        if pool.head_dim > MAX_HEAD_DIM:
             raise BackendUnavailable(
-                f"triton attention: head_dim {pool.head_dim} is not a power of two >= 16"
+                f"triton attention: head_dim {pool.head_dim} is above {MAX_HEAD_DIM}"
             )
         return cls(pool, req_to_token, scale)
 

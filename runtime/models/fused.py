@@ -57,6 +57,7 @@ if triton is not None:
     def _rope_kernel(  # type: ignore[no-untyped-def]
         Q, K, QOut, KOut, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
         stride_ot, stride_oh, stride_pt, stride_ph, NQ: tl.constexpr, HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)  # q's heads, then k's
@@ -64,19 +65,20 @@ if triton is not None:
         h = tl.where(is_q, head, head - NQ)
         src = tl.where(is_q, Q + t * stride_qt + h * stride_qh, K + t * stride_kt + h * stride_kh)
         dst = tl.where(is_q, QOut + t * stride_ot + h * stride_oh, KOut + t * stride_pt + h * stride_ph)
-        i = tl.arange(0, HALF)
-        x1 = tl.load(src + i).to(tl.float32)
-        x2 = tl.load(src + HALF + i).to(tl.float32)
-        c1 = tl.load(Cos + t * stride_c + i).to(tl.float32)
-        c2 = tl.load(Cos + t * stride_c + HALF + i).to(tl.float32)
-        s1 = tl.load(Sin + t * stride_c + i).to(tl.float32)
-        s2 = tl.load(Sin + t * stride_c + HALF + i).to(tl.float32)
+        i = tl.arange(0, BLOCK)  # HALF padded to a power of two (head_dim 96: 48 of 64)
+        m = i < HALF
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        c1 = tl.load(Cos + t * stride_c + i, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + t * stride_c + HALF + i, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(Sin + t * stride_c + i, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + t * stride_c + HALF + i, mask=m, other=0.0).to(tl.float32)
         dt = QOut.dtype.element_ty
         # torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
         out1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
         out2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        tl.store(dst + i, out1.to(dt))
-        tl.store(dst + HALF + i, out2.to(dt))
+        tl.store(dst + i, out1.to(dt), mask=m)
+        tl.store(dst + HALF + i, out2.to(dt), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(  # type: ignore[no-untyped-def]
@@ -128,7 +130,7 @@ def rope_launch(
          cos.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1)),
         # no FMA contraction: triton (3.6 and 3.8, sm_90) otherwise fuses a rounded product into
         # the sum (fma.rn.bf16 / fma.rn.f32), one rounding fewer than torch: seen on an H100
-        dict(NQ=heads, HALF=dim // 2, enable_fp_fusion=False),
+        dict(NQ=heads, HALF=dim // 2, BLOCK=next_pow2(dim // 2), enable_fp_fusion=False),
         (q_out, k_out),
     )  # fmt: skip
 

@@ -28,7 +28,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # 
 def setup(dtype: torch.dtype, lens: list[int], page_size: int, heads: int = 9,
           kv_heads: int = 3, head_dim: int = 32) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
     """A 3-layer pool of random K/V and a req->token table whose rows (requests 2, 0, 3, ...:
-    not in batch order) hold scattered slots."""
+    not in batch order) hold scattered slots; every slot no row holds is NaN."""
     gen = torch.Generator().manual_seed(sum(lens) + page_size)
     num_pages = sum(-(-n // page_size) for n in lens) + 7
     pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, dtype, DEVICE)
@@ -36,10 +36,16 @@ def setup(dtype: torch.dtype, lens: list[int], page_size: int, heads: int = 9,
     table = torch.zeros((len(lens) + 2, max(lens) + 5), dtype=torch.int64)
     pages = torch.randperm(num_pages, generator=gen).tolist()
     rows = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]
+    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
     for row, n in zip(rows.tolist(), lens, strict=True):
         mine = [pages.pop() for _ in range(-(-n // page_size))]
         table[row, :n] = torch.tensor([mine[i // page_size] * page_size + i % page_size
                                        for i in range(n)])
+        owned[table[row, :n]] = True
+    free = pool.locate(torch.nonzero(~owned).flatten().to(DEVICE))
+    nan = torch.full((len(free[0]), kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    for layer in range(pool.num_layers):  # a kernel that reads a slot no request owns reads NaN
+        pool.write(layer, free, nan, nan)
     return pool, table.to(DEVICE), rows.to(DEVICE)
 
 
@@ -84,12 +90,17 @@ def test_store_kv_writes_what_pool_write_writes(dtype: torch.dtype, page_size: i
     assert torch.equal(pools[0].buffer.view(torch.uint8), pools[1].buffer.view(torch.uint8))
 
 
+# head dims: a power of two, and two the kernels pad (to 32 and 128 columns, masked)
+HEAD_DIMS = [32, pytest.param(24, id="pad24"), pytest.param(80, id="pad80")]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_decode_matches_float64(dtype: torch.dtype, page_size: int) -> None:
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_paged_decode_matches_float64(dtype: torch.dtype, page_size: int, head_dim: int) -> None:
     lens = [1, 17, 64, 65, 130]  # one key; across page and 64-key block edges
-    pool, table, rows = setup(dtype, lens, page_size)
-    q = torch.randn(len(lens), 9, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pool, table, rows = setup(dtype, lens, page_size, head_dim=head_dim)
+    q = torch.randn(len(lens), 9, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = q.to(DEVICE)
     seq = torch.tensor(lens, device=DEVICE)
     out = paged_decode(pool, 1, q, table, rows, seq, 0.17).run()
@@ -101,13 +112,14 @@ def test_paged_decode_matches_float64(dtype: torch.dtype, page_size: int) -> Non
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int) -> None:
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int, head_dim: int) -> None:
     # (prefix, new tokens): a fresh prompt, a cached prefix, one new token, more than BLOCK_M new
     pairs = [(0, 20), (37, 5), (64, 1), (3, 70)]
     lens = [p + n for p, n in pairs]
-    pool, table, rows = setup(dtype, lens, page_size)
+    pool, table, rows = setup(dtype, lens, page_size, head_dim=head_dim)
     total = sum(n for _, n in pairs)
-    q = torch.randn(total, 9, 32, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    q = torch.randn(total, 9, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
     out = paged_extend(
         pool, 2, q, table, rows, torch.tensor(starts, device=DEVICE),

@@ -39,6 +39,8 @@ SHAPES = [
     ("smollm2-135m", 9, 3, 64, 8192, 576, 1536),  # the builtin model
     ("llama-1b", 32, 8, 64, 8192, 2048, 8192),  # bench/gpu.py's 1B shape
     ("llama-8b", 32, 8, 128, 8192, 4096, 14336),
+    ("phi-3-medium", 40, 10, 128, 4096, 5120, 17920),
+    ("head-dim-96", 32, 32, 96, 4096, 3072, 8192),  # padded to 128 columns (e.g. Phi-3-mini)
 ]
 KERNELS = ("decode", "extend", "store_kv", "add_rms_norm", "rope", "silu_mul")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -60,8 +60,9 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_qk_is_bit_exact(dtype: torch.dtype) -> None:
-    heads, kv_heads, dim = 9, 3, 64
+@pytest.mark.parametrize("dim", [64, 96], ids=["dim64", "dim96-padded"])
+def test_rope_qk_is_bit_exact(dtype: torch.dtype, dim: int) -> None:
+    heads, kv_heads = 9, 3
     qkv = randn(6, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=4)  # the qkv matmul's output
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k = q.view(6, heads, dim), k.view(6, kv_heads, dim)
