@@ -28,6 +28,19 @@ MESSAGES: dict[HandoverKind, str] = {
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where a request's prompt KV comes from, as the router paired it, from the request body to
+    the room: the prefill's bootstrap server (host, port), the room, and the router's signed
+    ticket for it (runtime/auth/ticket.py). A colocated request may carry a room alone: it still
+    names the request (the token oracle's and the KV canary's identity)."""
+
+    room: int
+    host: str | None = None
+    port: int | None = None
+    ticket: str | None = None
+
+
+@dataclass(frozen=True)
 class KVOffer:
     """Where a moved stream's KV waits: room `room` of the bootstrap server at host:port of
     the KV instance `instance_id` (the draining decode's; room tickets name it)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.handover import Handover, KVOffer
+from runtime.handover import Bootstrap, Handover, KVOffer
 
 # "moved" and "drained" end a decode's stream that goes on elsewhere (runtime/handover.py):
 # outcomes, not failures; the HTTP side turns them into the stream's hand-over event
@@ -47,10 +47,7 @@ class GenerateRequest:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    bootstrap_ticket: str | None = None  # verified by the HTTP process
+    bootstrap: Bootstrap | None = None  # PD: its room and prefill (the ticket verified here)
     allow_kv_move: bool = False  # its client can follow it to another decode (a router)
     resumed_outputs: int = 0  # a resumed stream: the last input ids it had generated already
     cache_salt: str | None = None  # the prefix cache's namespace (runtime/kvcache/radix.py)
@@ -277,6 +274,7 @@ Message = (
 MESSAGE_TYPES: tuple[type, ...] = (
     FinishReason,  # travels inside ReqOutput
     KVOffer,  # inside a "moved" FinishReason
+    Bootstrap,  # inside a GenerateRequest
     GenerateRequest,
     AbortRequest,
     CacheQuery,

@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from runtime.handover import Bootstrap
 from runtime.sampling_params import SamplingParams
 from runtime.validation import InvalidRequest
 
@@ -74,7 +75,7 @@ def prompt_digest(fields: Mapping[str, Any], hashed: str | None = None) -> str:
     return _sha256([hashed or prompt_hash(fields), fields.get("resume")])
 
 
-class Bootstrap(_Strict):
+class BootstrapFields(_Strict):
     """What `baton router` adds to a request for a prefill/decode pair (docs/disaggregation.md "Wire contract"):
     the request id, the prefill's bootstrap address and one room per choice; to resume a stream,
     what it already produced; to follow a stream's tokens, `return_token_ids`; to let a draining
@@ -117,8 +118,14 @@ class Bootstrap(_Strict):
                                  f"{', '.join(map(str, repeated))} repeated", "bootstrap_room")
         return list(rooms)
 
+    def bootstrap(self, room: int | None) -> Bootstrap | None:
+        """The frozen pairing one choice carries on (its `room`, from `rooms`)."""
+        if room is None:
+            return None
+        return Bootstrap(room, self.bootstrap_host, self.bootstrap_port, self.bootstrap_ticket)
 
-class SamplingFields(Bootstrap):
+
+class SamplingFields(BootstrapFields):
     """Fields shared by both OpenAI endpoints."""
 
     model: str
@@ -293,7 +300,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class GenerateBody(Bootstrap):
+class GenerateBody(BootstrapFields):
     """Native /generate: one prompt as `text` or `input_ids`, sglang's sampling_params."""
 
     text: str | None = None

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from runtime.codec import CodecError, decode, encode
-from runtime.handover import KVOffer
+from runtime.handover import Bootstrap, KVOffer
 from runtime.messages import (
     AbortRequest,
     BatchOutput,
@@ -27,7 +27,8 @@ OUT = ReqOutput(
 )
 MESSAGES = [
     GenerateRequest("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ["\n"]}, stream=True,
-                    return_logprob=True, top_logprobs_num=2, bootstrap_room=-(2**62)),
+                    return_logprob=True, top_logprobs_num=2,
+                    bootstrap=Bootstrap(2**62, "10.0.0.1", 8998, "ticket")),
     AbortRequest("r1", "bye"),
     ShutdownRequest(),
     SchedulerReady(context_len=8192, vocab_size=49152, kv_capacity_tokens=4096, max_running_requests=8),

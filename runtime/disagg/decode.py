@@ -67,6 +67,7 @@ class _Room(Generic[R]):
     room: Room[D]
     req: R
     addr: Address
+    ticket: str | None  # the router's, for the room (its prefill checks it)
     fence: int | None = None  # from RESERVED on: the KV fence its pages were taken at
     registering: Future[str] | None = None  # from REGISTERING on: POST /rooms; gives the
     # prefill's instance id
@@ -105,20 +106,20 @@ class DecodeRole(Generic[R]):
         self._aborted: list[R] = []
 
     def add(self, req: R) -> None:
-        if self.config.allow_local_prefill and req.bootstrap_room is None \
-                and req.bootstrap_host is None:
+        boot = req.bootstrap
+        if self.config.allow_local_prefill and boot is None:
             self.scheduler.add_request(req)  # prefilled here (the router's fallback)
             return
-        if req.bootstrap_room is None or not req.bootstrap_host or req.bootstrap_port is None:
+        if boot is None or not boot.host or boot.port is None:
             raise RoomError("a decode server needs bootstrap_host, bootstrap_port and "
                             "bootstrap_room (send requests through `baton router`)")
         self.scheduler.validate(req)
-        if req.bootstrap_room in self.rooms:
-            raise RoomInUse(f"bootstrap room {req.bootstrap_room} is already in use")
-        addr = (req.bootstrap_host, req.bootstrap_port)
-        self.rooms.setdefault(req.bootstrap_room, _Room(Room(req.bootstrap_room, DECODE), req, addr))
-        self.rooms.name(req.rid, req.bootstrap_room)
-        self.prealloc.append(req.bootstrap_room)
+        if boot.room in self.rooms:
+            raise RoomInUse(f"bootstrap room {boot.room} is already in use")
+        self.rooms.setdefault(boot.room, _Room(Room(boot.room, DECODE), req, (boot.host, boot.port),
+                                               boot.ticket))
+        self.rooms.name(req.rid, boot.room)
+        self.prealloc.append(boot.room)
 
     def poll(self) -> list[R]:
         """Advance every room; returns the requests to emit (first tokens, failures)."""
@@ -204,9 +205,9 @@ class DecodeRole(Generic[R]):
         """Offer the room's pages to the prefill (POST /rooms): it may know them from now on."""
         request = RoomRequest(r.number, self.client.me.decode_id, r.req.rid,
                               len(r.req.origin_input_ids), list(r.req.kv_pages),
-                              self.config.waiting_timeout_s, r.req.bootstrap_ticket)
+                              self.config.waiting_timeout_s, r.ticket)
         # the prefill the router's ticket names, or the one that answers at the address
-        self.fence.expect(r.number, request.dst_pages, peer_of(r.req.bootstrap_ticket))
+        self.fence.expect(r.number, request.dst_pages, peer_of(r.ticket))
         r.room.move(D.REGISTERING)
         r.registering = self.lanes.submit(r.addr, self.client.register_room, r.addr, request)
         r.registering.add_done_callback(lambda _: self.wake())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, Self, TypeVar
 
-from runtime.handover import KVOffer
+from runtime.handover import Bootstrap, KVOffer
 from runtime.kvcache.manager import KVHolder
 
 
@@ -17,15 +17,15 @@ class PDRequest(KVHolder, Protocol):
     rid: str
     origin_input_ids: list[int]
     output_ids: list[int]
-    bootstrap_host: str | None
-    bootstrap_port: int | None
-    bootstrap_room: int | None
-    bootstrap_ticket: str | None
+    bootstrap: Bootstrap | None
     output_logprobs: list[float]
     output_top_logprobs: list[list[tuple[int, float]]]
     customized_info: dict[str, list[Any]]
     cached_tokens: int  # prompt tokens found in the prefill's prefix cache
     movable: bool  # decode role: its client can follow it to another decode
+
+    @property
+    def bootstrap_room(self) -> int | None: ...
 
     @property
     def finished(self) -> bool: ...

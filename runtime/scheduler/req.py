@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import FinishKind, FinishReason, KVOffer
+from runtime.messages import Bootstrap, FinishKind, FinishReason, KVOffer
 from runtime.sampling_params import SamplingParams
 
 
@@ -20,8 +20,7 @@ class Req:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    bootstrap_room: int | None = None
-    bootstrap_ticket: str | None = None  # the router's signed ticket for the room
+    bootstrap: Bootstrap | None = None  # PD: its room, its prefill, the router's ticket
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     # KV state (owned by KVCacheManager): table row, pages, and tokens whose KV is (being) written.
@@ -52,13 +51,15 @@ class Req:
     # a resumed stream (runtime/server/resume.py): how many of the prompt's last tokens are
     # outputs it generated before it moved, which penalties count as outputs
     resumed_outputs: int = 0
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
     seed: int = field(default_factory=lambda: random.getrandbits(63))
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
             self.seed = self.sampling_params.seed
+
+    @property
+    def bootstrap_room(self) -> int | None:
+        return self.bootstrap.room if self.bootstrap is not None else None
 
     @property
     def finished(self) -> bool:
@@ -106,7 +107,7 @@ class Req:
         client has or is due, and ends "moved", with the `offer` that says where it went."""
         moved = Req(
             rid, self.fill_ids[:-1], self.sampling_params, self.stream, self.return_logprob,
-            self.top_logprobs_num, bootstrap_room=room, hand_off=True, seed=self.seed,
+            self.top_logprobs_num, bootstrap=Bootstrap(room), hand_off=True, seed=self.seed,
             cache_salt=self.cache_salt,
             resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1,
             cached_tokens=self.cached_tokens,  # (the prefill's, which its usage reports)

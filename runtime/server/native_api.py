@@ -64,10 +64,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         stream=body.stream,
         return_logprob=body.return_logprob or body.top_logprobs_num > 0,
         top_logprobs_num=body.top_logprobs_num,
-        bootstrap_host=body.bootstrap_host,
-        bootstrap_port=body.bootstrap_port,
-        bootstrap_room=room,
-        bootstrap_ticket=body.bootstrap_ticket,
+        bootstrap=body.bootstrap(room),
         allow_kv_move=body.allow_kv_move and body.stream, cache_salt=body.cache_salt,
     ), body.resume)
 

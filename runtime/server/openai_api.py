@@ -65,9 +65,7 @@ def _requests(
             reqs.append(resumed(GenerateRequest(
                 rid=f"{base}-{i}", input_ids=ids, sampling_params=params,
                 stream=body.stream, return_logprob=top_logprobs is not None,
-                top_logprobs_num=top_logprobs or 0, bootstrap_host=body.bootstrap_host,
-                bootstrap_port=body.bootstrap_port, bootstrap_room=rooms[i],
-                bootstrap_ticket=body.bootstrap_ticket,
+                top_logprobs_num=top_logprobs or 0, bootstrap=body.bootstrap(rooms[i]),
                 allow_kv_move=body.allow_kv_move and body.stream and len(prompts) * body.n == 1,
                 cache_salt=body.cache_salt,
             ), body.resume))

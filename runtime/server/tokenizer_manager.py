@@ -39,7 +39,7 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
-from runtime.protocol import Bootstrap
+from runtime.protocol import BootstrapFields
 from runtime.server.kv_events import KVEventLog
 from runtime.server.metrics import Metrics
 from runtime.tokenizer import chat_prompt_ids
@@ -167,7 +167,7 @@ class TokenizerManager:
             return None
         return f"the scheduler process has been silent for {silent:.0f} s (frozen or stuck)"
 
-    def rooms(self, body: Bootstrap, choices: int) -> list[int | None]:
+    def rooms(self, body: BootstrapFields, choices: int) -> list[int | None]:
         """The request's bootstrap rooms, one per choice, once the router's ticket lets this
         worker serve them: a 400 when they are missing, a 401/403 for the ticket (checked
         before anything is tokenized or allocated). A decode with --allow-local-prefill serves
@@ -183,7 +183,7 @@ class TokenizerManager:
                                body.prompt_digest())
         return rooms
 
-    def local_prefill(self, body: Bootstrap) -> bool:
+    def local_prefill(self, body: BootstrapFields) -> bool:
         return (self.args.role == "decode" and self.args.disagg.allow_local_prefill
                 and body.bootstrap_room is None and body.bootstrap_host is None
                 and body.bootstrap_port is None)

@@ -21,6 +21,7 @@ from runtime.disagg.sender import Sent
 from runtime.disagg.transfer.base import TransferError
 from runtime.disagg.transfer.tcp import TcpTransfer
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomFailed, RoomRequest
+from runtime.handover import Bootstrap
 from runtime.kvcache.allocator import PageAllocator
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool
@@ -41,7 +42,7 @@ def kv_manager(num_pages: int = 32) -> tuple[KVCacheManager, KVPool]:
 def request(rid: str, room: int, prompt_len: int = 10, max_new: int = 8,
             host: str = "10.0.0.1", port: int = 8998) -> Req:
     return Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new),
-               bootstrap_room=room, bootstrap_host=host, bootstrap_port=port)
+               bootstrap=Bootstrap(room, host, port))
 
 
 class FakeScheduler:
