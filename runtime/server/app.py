@@ -135,13 +135,7 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
         stalled = tm.stalled()
         if stalled is not None:  # the router takes us out until it speaks again
             raise ApiError(503, stalled, "service_unavailable", "stalled")
-        if tm.info.kv_transfer is None:
-            return {"status": "ready"}
-        # the router pairs by kv_transfer and names instance_id in its room tickets; a decode
-        # that prefills what comes without a room can take the router's fallback
-        return {"status": "ready", "kv_transfer": tm.info.kv_transfer,
-                "instance_id": tm.info.instance_id,
-                "local_prefill": tm.args.role == "decode" and tm.args.disagg.allow_local_prefill}
+        return {"status": "ready", **tm.edge.ready_fields(tm.info)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from runtime.errors import HttpError
-from runtime.server.generation import KVTransferFailed
+from runtime.server.pd_edge import KVTransferFailed
 from runtime.server.tokenizer_manager import SchedulerUnavailable
 from runtime.validation import InvalidRequest, describe_errors
 

@@ -18,6 +18,7 @@ from runtime.handover import Handover
 from runtime.messages import FinishReason, GenerateRequest, ReqOutput
 from runtime.protocol import Resume
 from runtime.server.detokenizer import IncrementalDetokenizer
+from runtime.server.pd_edge import KVTransferFailed
 from runtime.server.tokenizer_manager import (
     SHUTTING_DOWN,
     ReqState,
@@ -27,10 +28,6 @@ from runtime.server.tokenizer_manager import (
 )
 
 ABORT_ACK_TIMEOUT_S = 10.0
-
-
-class KVTransferFailed(RuntimeError):
-    """A prefill/decode request whose KV handoff failed (the message says why): a 502."""
 
 
 class HandedOver(SchedulerUnavailable):
@@ -167,20 +164,6 @@ async def gather_or_cancel(coros: list[Any]) -> list[Any]:
                 task.cancel()
 
 
-def failed_handoff(role: str, deltas: list[Delta]) -> str | None:
-    """The abort message of a disaggregated request whose KV handoff failed, which makes an
-    error response rather than a 200: on a prefill server any abort (its one token is useless
-    without the KV), on a decode server an abort before its first token (the KV never came).
-    None otherwise, and always on a colocated server."""
-    if role == "colocated":
-        return None
-    for d in deltas:
-        reason = d.finish_reason
-        if reason is not None and reason.kind == "abort" and (role == "prefill" or not d.output_ids):
-            return reason.message or "aborted"
-    return None
-
-
 async def start(
     tm: TokenizerManager, reqs: list[GenerateRequest], timeout: float, group: str | None = None,
     resume: Resume | None = None,
@@ -198,7 +181,7 @@ async def start(
         for gen in gens:
             gen.abort("request failed")
         raise
-    failure = failed_handoff(tm.args.role, firsts)
+    failure = tm.edge.failed_handoff([(d.finish_reason, d.output_ids) for d in firsts])
     if failure is not None:
         for gen in gens:
             gen.abort("another choice failed")

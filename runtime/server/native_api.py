@@ -51,7 +51,7 @@ def result(rid: str, d: Delta) -> dict[str, Any]:
 
 def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
     body.check()  # fail fast, naming the field
-    [room] = tm.rooms(body, 1)
+    [boot] = tm.edge.bootstraps(body, 1, tm.info)
     ids = tm.encode(body.text) if body.text is not None else list(body.input_ids or [])
     params = dict(body.sampling_params or {})
     params["max_new_tokens"] = tm.budget(
@@ -64,7 +64,7 @@ def _request(tm: TokenizerManager, body: GenerateBody) -> GenerateRequest:
         stream=body.stream,
         return_logprob=body.return_logprob or body.top_logprobs_num > 0,
         top_logprobs_num=body.top_logprobs_num,
-        bootstrap=body.bootstrap(room),
+        bootstrap=boot,
         allow_kv_move=body.allow_kv_move and body.stream, cache_salt=body.cache_salt,
     ), body.resume)
 

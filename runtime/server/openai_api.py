@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from runtime.handover import Bootstrap
 from runtime.messages import GenerateRequest
 from runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.sampling_params import SamplingParams
@@ -48,10 +49,11 @@ def check_model(tm: TokenizerManager, name: str) -> None:
 
 
 def _requests(
-    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]], rooms: list[int | None],
+    tm: TokenizerManager, body: SamplingFields, prompts: list[list[int]],
+    boots: list[Bootstrap | None],
     max_new: int | None, top_logprobs: int | None, fields: tuple[str, str],
 ) -> list[GenerateRequest]:
-    """One scheduler request per choice (`rooms` has one each); `fields` name the max-tokens
+    """One scheduler request per choice (`boots` has one each); `fields` name the max-tokens
     field the client used and its prompt (for a context overflow's 400)."""
     base = body.rid or uuid.uuid4().hex
     check_one_choice(body.resume, len(prompts) * body.n)
@@ -65,7 +67,7 @@ def _requests(
             reqs.append(resumed(GenerateRequest(
                 rid=f"{base}-{i}", input_ids=ids, sampling_params=params,
                 stream=body.stream, return_logprob=top_logprobs is not None,
-                top_logprobs_num=top_logprobs or 0, bootstrap=body.bootstrap(rooms[i]),
+                top_logprobs_num=top_logprobs or 0, bootstrap=boots[i],
                 allow_kv_move=body.allow_kv_move and body.stream and len(prompts) * body.n == 1,
                 cache_salt=body.cache_salt,
             ), body.resume))
@@ -85,9 +87,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     tm = _tm(request)
     body.check()
     check_model(tm, body.model)
-    rooms = tm.rooms(body, len(body.prompts()) * body.n)
+    boots = tm.edge.bootstraps(body, len(body.prompts()) * body.n, tm.info)
     prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-    reqs = _requests(tm, body, prompts, rooms, body.max_tokens, body.logprobs,
+    reqs = _requests(tm, body, prompts, boots, body.max_tokens, body.logprobs,
                      ("max_tokens", "prompt"))
     prompt_tokens = sum(len(p) for p in prompts)
     group = reqs[0].rid.rsplit("-", 1)[0]
@@ -131,11 +133,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tm = _tm(request)
     body.check()
     check_model(tm, body.model)
-    rooms = tm.rooms(body, body.n)
+    boots = tm.edge.bootstraps(body, body.n, tm.info)
     ids = tm.encode_chat([m.flat() for m in body.messages])
     top = (body.top_logprobs or 0) if body.logprobs else None
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    reqs = _requests(tm, body, [ids], rooms, body.max_new_tokens, top, (asked, "messages"))
+    reqs = _requests(tm, body, [ids], boots, body.max_new_tokens, top, (asked, "messages"))
     group = reqs[0].rid.rsplit("-", 1)[0]
     gens, firsts = await sse.until_disconnect(
         request, start(tm, reqs, tm.args.request_timeout_s, group, body.resume))

@@ -39,9 +39,9 @@ from runtime.messages import (
     SchedulerStats,
     ShutdownRequest,
 )
-from runtime.protocol import BootstrapFields
 from runtime.server.kv_events import KVEventLog
 from runtime.server.metrics import Metrics
+from runtime.server.pd_edge import PDEdge
 from runtime.tokenizer import chat_prompt_ids
 from runtime.validation import InvalidRequest, context_overflow
 
@@ -79,7 +79,8 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, tokenizer: Any, ipc_dir: str, metrics: Metrics,
                  tickets: TicketGate | None = None) -> None:
         self.args = args
-        self.tickets = tickets or TicketGate(ClusterKey.none(), args.role)
+        # the disaggregation edge: bootstrap rooms and tickets, failed hand-offs, /ready's fields
+        self.edge = PDEdge(args, tickets or TicketGate(ClusterKey.none(), args.role))
         self.tokenizer = tokenizer
         self.model_path: str | None = None  # the model's folder, once resolved
         self.metrics = metrics
@@ -166,27 +167,6 @@ class TokenizerManager:
         if self.info is None or silent <= self.args.stall_timeout_s:
             return None
         return f"the scheduler process has been silent for {silent:.0f} s (frozen or stuck)"
-
-    def rooms(self, body: BootstrapFields, choices: int) -> list[int | None]:
-        """The request's bootstrap rooms, one per choice, once the router's ticket lets this
-        worker serve them: a 400 when they are missing, a 401/403 for the ticket (checked
-        before anything is tokenized or allocated). A decode with --allow-local-prefill serves
-        a request without any bootstrap field as a colocated server does (no room, no ticket:
-        it touches no KV plane)."""
-        if self.local_prefill(body):
-            return [None] * choices
-        rooms = body.rooms(self.args.role, choices)
-        if self.tickets.required:
-            me = self.info.instance_id if self.info is not None else None
-            self.tickets.admit(body.bootstrap_ticket, [r for r in rooms if r is not None],
-                               body.rid, body.bootstrap_host, body.bootstrap_port, me,
-                               body.prompt_digest())
-        return rooms
-
-    def local_prefill(self, body: BootstrapFields) -> bool:
-        return (self.args.role == "decode" and self.args.disagg.allow_local_prefill
-                and body.bootstrap_room is None and body.bootstrap_host is None
-                and body.bootstrap_port is None)
 
     # ---- tokenization -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
