@@ -66,6 +66,7 @@ def receiver_main(backend: str, secret: bytes, conn: Connection) -> None:
     transfer = create_transfer(backend, pool, "bench-decode", fence)
     receiver = KVReceiver("127.0.0.1", 0, transfer, ClusterKey(secret), "bench-decode",
                           lambda: None, Tally())
+    receiver.start()
     conn.send((transfer.local_info(), receiver.port))
     while True:
         room, dst = conn.recv()

@@ -105,6 +105,11 @@ class DecodeRole(Generic[R]):
             self.config, self.wake)
         self._aborted: list[R] = []
 
+    def start(self) -> None:
+        """Serve KV links on the receiver's port (peers learn it from the client's
+        registration)."""
+        self.receiver.start()
+
     def add(self, req: R) -> None:
         boot = req.bootstrap
         if self.config.allow_local_prefill and boot is None:

@@ -60,6 +60,9 @@ class KVReceiver:
         self.unproven: dict[socket.socket, float] = {}  # -> since when; the oldest first
         self.closed = False
         self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Serve the links that come to the port (bound already: peers may be told it)."""
         threading.Thread(target=self._accept, name="kv-receiver", daemon=True).start()
 
     def _accept(self) -> None:

@@ -143,4 +143,5 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
     client = PrefillClient(me, transfer, plane.key, args.disagg.heartbeat_interval_s)
     decode: DecodeRole[Req] = DecodeRole(scheduler, scheduler.handoffs, scheduler.kv, plane, client,
                                          receiver, args.disagg, wake, vocab_size, mover=mover)
+    decode.start()
     return decode

@@ -186,6 +186,9 @@ class FakeReceiver:
         self.failed: queue.SimpleQueue[tuple[str, RoomFailed]] = queue.SimpleQueue()
         self.cut: list[str] = []
 
+    def start(self) -> None:
+        pass
+
     def close_links(self, prefill: str) -> None:
         self.cut.append(prefill)
 

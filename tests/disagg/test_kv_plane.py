@@ -53,6 +53,7 @@ class Receiver:
         self.counts: dict[str, int] = {}
         self.receiver = KVReceiver("127.0.0.1", 0, self.transfer, key, DECODE,
                                    self.woken.set, self.tally)
+        self.receiver.start()
 
     def link(self, key: ClusterKey = KEY, prefill: str = PREFILL) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.receiver.port), timeout=5)
