@@ -8,6 +8,7 @@ FutureMap.resolve_future swaps for real ids right before the next forward. There
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,9 @@ class ScheduleBatch:
     # Extend only: new tokens per request, and whether this chunk completes the prompt.
     extend_lens: list[int] = field(default_factory=list)
     is_last_chunk: list[bool] = field(default_factory=list)
+    # decode: the rows' constant part, built once while the rows stay the same (a running batch
+    # keeps it step after step; filter_batch and merge_batch drop it)
+    rows_kept: Rows | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -40,6 +44,7 @@ class ScheduleBatch:
         if keep == list(range(len(self.reqs))):
             return
         self.reqs = [self.reqs[i] for i in keep]
+        self.rows_kept = None
         if not self.reqs:
             self.input_ids = None
         elif self.input_ids is not None:
@@ -60,6 +65,7 @@ class ScheduleBatch:
         else:
             self.input_ids = torch.cat([self.input_ids, other.input_ids])
         self.reqs = self.reqs + other.reqs
+        self.rows_kept = None
 
     # ---- building forwards --------------------------------------------------------------------
     def prepare_for_extend(self, kv: KVCacheManager, with_ids: bool = False) -> ForwardBatch:
@@ -107,32 +113,64 @@ class ScheduleBatch:
         with_ids: bool,
     ) -> ForwardBatch:
         assert self.input_ids is not None
-        reqs = self.reqs
-        seq_lens = [r.kv_len for r in reqs]
+        seq_lens = [r.kv_len for r in self.reqs]
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        rows = self._rows(with_ids)
+        # the sampled token lands right after the last cached position: at seq_len
+        sampling = dataclasses.replace(rows.sampling, sample_positions=seq_lens_t,
+                                       penalty_resets=penalty_resets(resets) if resets else None)
         return ForwardBatch(
             mode=self.mode,
             input_ids=self.input_ids,
             positions=positions,
             out_cache_loc=slots,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+            req_pool_indices=rows.req_pool_indices,
             seq_lens=seq_lens,
             extend_lens=list(extend_lens),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64),
+            seq_lens_t=seq_lens_t,
             extend_lens_t=torch.tensor(extend_lens, dtype=torch.int64),
-            sampling=build_sampling_info(reqs, resets, with_ids),
-            return_logprob=any(r.return_logprob for r in reqs),
-            top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+            sampling=sampling,
+            return_logprob=rows.return_logprob,
+            top_logprobs_num=rows.top_logprobs_num,
             table_writes=kv.req_to_token.take_writes(),
         )
 
+    def _rows(self, with_ids: bool) -> Rows:
+        """The rows' constant part: kept by a decode batch while its rows stay, built anew for
+        every extend."""
+        rows = self.rows_kept
+        if self.mode != "decode" or rows is None or rows.with_ids != with_ids:
+            rows = Rows.of(self.reqs, with_ids)
+            self.rows_kept = rows if self.mode == "decode" else None
+        return rows
 
-def build_sampling_info(
-    reqs: list[Req], resets: list[tuple[int, list[int], list[int]]], with_ids: bool = False
-) -> SamplingBatchInfo:
-    """One row per request, in `reqs` order; the optional tensors (request identity,
-    penalties, logit bias) are set only when some row needs them."""
+
+@dataclass(frozen=True)
+class Rows:
+    """What a batch's rows keep from one decode step to the next while they stay the same: their
+    sampling parameters (each step sets its sample positions and penalty resets), their table
+    rows, and what they asked to get back."""
+
+    sampling: SamplingBatchInfo
+    req_pool_indices: torch.Tensor
+    return_logprob: bool
+    top_logprobs_num: int
+    with_ids: bool
+
+    @classmethod
+    def of(cls, reqs: list[Req], with_ids: bool) -> Rows:
+        return cls(build_sampling_info(reqs, with_ids),
+                   torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+                   any(r.return_logprob for r in reqs),
+                   max((r.top_logprobs_num for r in reqs), default=0), with_ids)
+
+
+def build_sampling_info(reqs: list[Req], with_ids: bool = False) -> SamplingBatchInfo:
+    """One row per request, in `reqs` order (sample positions: where each one's next token
+    lands; no penalty resets); the optional tensors (request identity, penalties, logit bias)
+    are set only when some row needs them."""
     params = [r.sampling_params for r in reqs]
-    info = _base_sampling_info(reqs, params, penalty_resets(resets) if resets else None)
+    info = _base_sampling_info(reqs, params)
     if with_ids:  # the rid hash and bootstrap room of each row (-1: none)
         info.rids_int = rids_to_tensor(r.rid for r in reqs)
         info.bootstrap_room_ids_int = rooms_to_tensor(r.bootstrap_room for r in reqs)
@@ -143,10 +181,8 @@ def build_sampling_info(
     return info
 
 
-def _base_sampling_info(
-    reqs: list[Req], params: list[SamplingParams], resets: PenaltyResets | None
-) -> SamplingBatchInfo:
-    """Temperature, top-k/p, min-p, seed and sample position of each row, and `resets`."""
+def _base_sampling_info(reqs: list[Req], params: list[SamplingParams]) -> SamplingBatchInfo:
+    """Temperature, top-k/p, min-p, seed and sample position of each row."""
     temps = [0.0 if p.is_greedy else p.temperature for p in params]
     vocab_cap = 1 << 30  # "no top-k": larger than any vocabulary
     top_ks = [p.top_k if p.top_k > 0 else vocab_cap for p in params]
@@ -163,7 +199,6 @@ def _base_sampling_info(
         need_top_p=any(p.top_p < 1.0 for p in params),
         need_min_p=any(p.min_p > 0.0 for p in params),
         max_top_k=max(top_ks),
-        penalty_resets=resets,
     )
 
 
