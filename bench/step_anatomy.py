@@ -143,7 +143,12 @@ def main() -> int:
                    help="1: one 32-token prompt; N: N prompts of 20-60 tokens (decode-heavy's)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--smoke", action="store_true", help="CPU, the 2-layer shape")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the run (Python's default is 5 ms): how long "
+                        "the forward thread may wait for the GIL while the scheduler runs Python")
     args = p.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     if not args.smoke and not torch.cuda.is_available():
         print("bench/step_anatomy.py needs a CUDA device (or --smoke on the CPU)", file=sys.stderr)
         return 2
@@ -151,7 +156,8 @@ def main() -> int:
     instrument()
     out = io.StringIO()
     print(f"shape {shape}, device {torch.cuda.get_device_name() if not args.smoke else 'cpu'}, "
-          f"torch {torch.__version__}", file=out)
+          f"torch {torch.__version__}, GIL switch interval {sys.getswitchinterval() * 1000:g} ms",
+          file=out)
     with tempfile.TemporaryDirectory(prefix="baton-anatomy-") as tmp:
         path = write_model(Path(tmp) / shape, SHAPES[shape],
                            torch.float32 if args.smoke else torch.bfloat16)
