@@ -33,3 +33,18 @@ def test_gpu_bench_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert set(baton["tok_s"]) == set(shape["hf_static"]) and all(v > 0 for v in baton["tok_s"].values())
     assert baton["decode_step_ms"] > 0 and shape["weight_read_bound_ms"] > 0
     assert "baton / the faster" in proc.stdout and "weight-read bound" in proc.stdout
+
+
+def test_step_anatomy_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """bench/step_anatomy.py --smoke: both overlap modes, the step loop's parts by thread, the
+    host ops; the GIL switch interval it was given is the one it reports."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "step_anatomy.py"), "--smoke",
+                           "--steps", "4", "--batch", "3", "--switch-interval-ms", "1",
+                           "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "step_anatomy.txt").read_text()
+    assert "GIL switch interval 1 ms" in text
+    assert "batch 3, overlap on:" in text and "batch 3, overlap off:" in text
+    assert "Scheduler.schedule" in text and "ModelRunner.forward_batch" in text
+    assert "host ops by self time" in text
