@@ -105,7 +105,7 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
                wake: Callable[[], None]) -> Role:
     """The role for `args.role` over `plane` (runtime/disagg/plane.py; None when colocated),
     its servers started (bootstrap server or KV receiver)."""
-    if args.role == "colocated" or plane is None:
+    if plane is None:  # colocated: no KV plane
         return ColocatedRole(scheduler)
     from runtime.auth.key import warn_if_open
 
