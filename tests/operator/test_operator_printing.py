@@ -6,7 +6,7 @@ emulated API printing the CRD's columns as kube-apiserver does."""
 from __future__ import annotations
 
 import subprocess
-import time
+import threading
 
 import pytest
 
@@ -26,18 +26,27 @@ def test_watch_shows_the_phases_and_progress_is_normal(cluster: Cluster,
     with operator():
         watch = subprocess.Popen([str(kubectl()), "-n", NAMESPACE, "get", "bisvc", "-w"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []  # read as they come: a slow kubectl start must not lose a phase
+        reader = threading.Thread(target=lambda: lines.extend(watch.stdout or ()), daemon=True)
+        reader.start()
+
+        def watched(name: str) -> bool:
+            return any(name in line.split() for line in list(lines))
+
         try:
             cluster.create(isvc("llm"))
             wait_for(lambda: phase(cluster, "llm") == "Pending", 20, "Pending")
+            wait_for(lambda: watched("Pending"), 30, lambda: f"the watch to print Pending: {lines}")
             cluster.set_deployment_status("llm-prefill")
-            wait_for(lambda: phase(cluster, "llm") == "Progressing", 10, "Progressing")
+            wait_for(lambda: watched("Progressing"), 30, lambda: f"Progressing: {lines}")
             for role in ("decode", "router"):
                 cluster.set_deployment_status(f"llm-{role}")
-            wait_for(lambda: phase(cluster, "llm") == "Ready", 10, "Ready")
-            time.sleep(0.5)
+            wait_for(lambda: watched("Ready"), 30, lambda: f"Ready: {lines}")
         finally:
             watch.terminate()
-        output = watch.communicate(timeout=10)[0]
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
+        output = "".join(lines)
         wait_for(lambda: {"Updating", "Ready"} <= {e["reason"] for e in cluster.events()}, 10,
                  "the Updating and Ready events")
         events = sorted((e["type"], e["reason"]) for e in cluster.events()
