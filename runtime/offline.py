@@ -117,9 +117,9 @@ class Engine:
         return generate_result(
             req.rid, cut_at_stop(text, req.finished_reason), req.output_ids,
             len(req.origin_input_ids), len(req.output_ids), req.finished_reason,
-            req.output_logprobs if req.return_logprob else None,
-            req.output_top_logprobs if req.return_logprob and req.top_logprobs_num else None,
-            req.customized_info, req.cached_tokens)
+            req.log.logprobs if req.return_logprob else None,
+            req.log.top_logprobs if req.return_logprob and req.top_logprobs_num else None,
+            req.log.info, req.cached_tokens)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

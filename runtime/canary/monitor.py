@@ -40,7 +40,7 @@ class Checked(Protocol):
     rid: str
     origin_input_ids: list[int]
     output_ids: list[int]
-    kv_len: int
+    kv: Any  # its KVSlots (runtime/kvcache/manager.py): .length positions have slots
     hand_off: bool
     sampling_params: Any
     canary_chain: Any  # its ReqChain, made here
@@ -66,7 +66,7 @@ class CanaryMonitor:
                 if r.canary_chain is None:
                     r.canary_chain = ReqChain()
                 tags = r.canary_chain.cover(r.origin_input_ids, r.output_ids)
-                n = min(len(tags), r.kv_len)
+                n = min(len(tags), r.kv.length)
                 rows.append(torch.full((n,), i, dtype=torch.int64))
                 positions.append(torch.arange(n, dtype=torch.int64))
                 expected.append(tags[:n])

@@ -137,7 +137,7 @@ class DecodeRole(Generic[R]):
             self._advance(r, touched)
         moving = self.mover.rooms() if self.mover is not None else []
         self.stats.rooms = count_states([*(r.room for r in self.rooms.values()), *moving])
-        self.stats.quarantined_pages = sum(len(r.req.kv_pages) for r in self.rooms.values()
+        self.stats.quarantined_pages = sum(len(r.req.kv.pages) for r in self.rooms.values()
                                            if r.room.phase is RoomState.FAILED)
         self.stats.count_kv_plane(self.tally.take())
         if self.mover is not None:
@@ -209,7 +209,7 @@ class DecodeRole(Generic[R]):
     def _expose(self, r: _Room[R]) -> None:
         """Offer the room's pages to the prefill (POST /rooms): it may know them from now on."""
         request = RoomRequest(r.number, self.client.me.decode_id, r.req.rid,
-                              len(r.req.origin_input_ids), list(r.req.kv_pages),
+                              len(r.req.origin_input_ids), list(r.req.kv.pages),
                               self.config.waiting_timeout_s, r.ticket)
         # the prefill the router's ticket names, or the one that answers at the address
         self.fence.expect(r.number, request.dst_pages, peer_of(r.ticket))
@@ -233,7 +233,7 @@ class DecodeRole(Generic[R]):
             self._fail(r, problem, touched, "bad_aux")
             return
         if self.canary is not None and (problem := self.canary.arrival_problem(
-                r.req.rid, r.req.origin_input_ids, r.req.kv_pages, aux.slot_tags, aux.slot_sums)):
+                r.req.rid, r.req.origin_input_ids, r.req.kv.pages, aux.slot_tags, aux.slot_sums)):
             self._fail(r, problem, touched, "kv_canary")  # its KV is here: nothing more can land
             return
         top = [(int(t), float(lp)) for t, lp in aux.top_logprobs] if aux.top_logprobs else None
@@ -241,7 +241,7 @@ class DecodeRole(Generic[R]):
         r.req.cached_tokens = aux.cached_tokens
         r.room.move(D.SUCCESS)
         self.stats.transfers += 1
-        self.stats.transfer_bytes += len(r.req.kv_pages) * self.transfer.layout.page_bytes
+        self.stats.transfer_bytes += len(r.req.kv.pages) * self.transfer.layout.page_bytes
         self.fence.discard(r.number)
         self._drop(r)
         touched.extend(self.handoffs.process_prebuilt([r.req]))

@@ -13,16 +13,23 @@ from runtime.handover import Bootstrap, KVOffer
 from runtime.kvcache.manager import KVHolder
 
 
+class TokenEntries(Protocol):
+    """A request's per-token outputs beyond the ids (runtime/scheduler/req.py TokenLog)."""
+
+    def at(self, i: int) -> tuple[float | None, list[tuple[int, float]] | None,
+                                  dict[str, Any]]: ...
+
+
 class PDRequest(KVHolder, Protocol):
     rid: str
     origin_input_ids: list[int]
     output_ids: list[int]
     bootstrap: Bootstrap | None
-    output_logprobs: list[float]
-    output_top_logprobs: list[list[tuple[int, float]]]
-    customized_info: dict[str, list[Any]]
     cached_tokens: int  # prompt tokens found in the prefill's prefix cache
     movable: bool  # decode role: its client can follow it to another decode
+
+    @property
+    def log(self) -> TokenEntries: ...
 
     @property
     def bootstrap_room(self) -> int | None: ...

@@ -286,16 +286,16 @@ class PrefillRole(Generic[R]):
         assert req is not None and target is not None and peer is not None
         if not self._step(r, P.WAITING_FOR_INPUT, P.QUEUED):
             return  # cancelled: the next poll fails it
-        src = req.kv_pages[: len(target.dst_pages)]
+        src = req.kv.pages[: len(target.dst_pages)]
         tags = sums = None
         if self.canary is not None:
             tags, sums, r.undo = self.canary.outgoing(req.rid, src, len(req.origin_input_ids))
+        logprob, top, info = req.log.at(0)
         aux = AuxRecord(
             room=target.room, rid=req.rid, prompt_len=len(req.origin_input_ids),
-            token=req.output_ids[0],
-            logprob=req.output_logprobs[0] if req.output_logprobs else None,
-            top_logprobs=[list(x) for x in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
-            customized_info={k: v[0] for k, v in req.customized_info.items()} or None,
+            token=req.output_ids[0], logprob=logprob,
+            top_logprobs=[list(x) for x in top] if top is not None else None,
+            customized_info=info or None,
             cached_tokens=req.cached_tokens, slot_tags=tags, slot_sums=sums,
         )
         r.sending = self.sender.send(peer, src, target.dst_pages, aux, lambda: self._claim(r))

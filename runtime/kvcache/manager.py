@@ -12,6 +12,7 @@ they are evicted, least recently used first, when the allocator runs short.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -21,14 +22,29 @@ from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 
+@dataclass
+class KVSlots:
+    """One request's hold on the KV pool, which only the manager changes: its req->token table
+    row, its pages, how many positions have (or are getting) a slot, how many of those a
+    finished forward wrote (cacheable), and the prefix-cache node it reads from (locked)."""
+
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+    computed: int = 0
+    node: Any = None
+
+    def give_up(self) -> KVSlots:
+        """Hand this hold to another owner (a moved request) and keep nothing."""
+        held = KVSlots(self.row, self.pages, self.length, self.computed, self.node)
+        self.row, self.pages, self.length, self.computed, self.node = None, [], 0, 0, None
+        return held
+
+
 class KVHolder(Protocol):
     """What the manager needs of a request (Req satisfies it)."""
 
-    req_pool_idx: int | None
-    kv_pages: list[int]
-    kv_len: int
-    computed_len: int  # positions whose KV a finished forward wrote
-    cache_node: Any  # the prefix-cache node it locks (None: none)
+    kv: KVSlots
     cache_salt: str | None  # the prefix cache's namespace (runtime/kvcache/radix.py)
 
     @property
@@ -67,7 +83,7 @@ class KVCacheManager:
         """A request about to be prefilled from scratch starts from the longest cached prefix
         of its tokens (full pages, leaving at least its last token to compute: that forward
         samples its next one). Locks it; returns the number of tokens reused."""
-        if self.cache is None or req.kv_pages:
+        if self.cache is None or req.kv.pages:
             return 0
         tokens = req.fill_ids
         usable = (len(tokens) - 1) // self.page_size * self.page_size
@@ -75,16 +91,16 @@ class KVCacheManager:
         if not pages:
             return 0
         self.cache.lock(node)
-        req.cache_node = node
-        if req.req_pool_idx is None:
-            req.req_pool_idx = self.req_to_token.alloc()
+        req.kv.node = node
+        if req.kv.row is None:
+            req.kv.row = self.req_to_token.alloc()
         n = len(pages) * self.page_size
         pos = torch.arange(n, dtype=torch.int64)
         slots = torch.tensor(pages, dtype=torch.int64).repeat_interleave(self.page_size) * \
             self.page_size + pos % self.page_size
-        self.req_to_token.write(torch.full_like(pos, req.req_pool_idx), pos, slots)
-        req.kv_pages = list(pages)
-        req.kv_len = req.computed_len = n
+        self.req_to_token.write(torch.full_like(pos, req.kv.row), pos, slots)
+        req.kv.pages = list(pages)
+        req.kv.length = req.kv.computed = n
         return n
 
     def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
@@ -99,48 +115,48 @@ class KVCacheManager:
         stops before any page the cache already holds elsewhere (that one goes at `release`)."""
         if self.cache is None:
             return
-        full = req.computed_len // self.page_size
-        node, _ = self.cache.insert(req.fill_ids[:full * self.page_size], req.kv_pages[:full],
+        full = req.kv.computed // self.page_size
+        node, _ = self.cache.insert(req.fill_ids[:full * self.page_size], req.kv.pages[:full],
                                     salt=req.cache_salt, stop_at_duplicate=True)
-        if node is req.cache_node or node.parent is None:  # (None: nothing new went in)
+        if node is req.kv.node or node.parent is None:  # (None: nothing new went in)
             return
         self.cache.lock(node)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-        req.cache_node = node
+        if req.kv.node is not None:
+            self.cache.unlock(req.kv.node)
+        req.kv.node = node
 
     def pages_needed(self, req: KVHolder, new_len: int) -> int:
-        return max(0, self.allocator.pages_for(new_len) - len(req.kv_pages))
+        return max(0, self.allocator.pages_for(new_len) - len(req.kv.pages))
 
     def grow(self, req: KVHolder, new_len: int) -> torch.Tensor:
-        """Give `req` slots for positions [req.kv_len, new_len); return those slots ([n] int64)."""
-        if req.req_pool_idx is None:
-            req.req_pool_idx = self.req_to_token.alloc()
+        """Give `req` slots for positions [req.kv.length, new_len); return those slots ([n] int64)."""
+        if req.kv.row is None:
+            req.kv.row = self.req_to_token.alloc()
         need = self.pages_needed(req, new_len)
         if need:
-            req.kv_pages.extend(self._alloc(need))
-        start = req.kv_len
+            req.kv.pages.extend(self._alloc(need))
+        start = req.kv.length
         pos = torch.arange(start, new_len, dtype=torch.int64)
-        pages = torch.tensor(req.kv_pages, dtype=torch.int64)
+        pages = torch.tensor(req.kv.pages, dtype=torch.int64)
         slots = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-        self.req_to_token.write(torch.full_like(pos, req.req_pool_idx), pos, slots)
-        req.kv_len = new_len
+        self.req_to_token.write(torch.full_like(pos, req.kv.row), pos, slots)
+        req.kv.length = new_len
         return slots
 
     def grow_one_each(self, reqs: list[KVHolder]) -> torch.Tensor:
         """Decode: one more slot for every request, in one table write. Returns [B] slots."""
         ps = self.page_size
-        self._make_room(sum(1 for r in reqs if r.kv_len // ps >= len(r.kv_pages)))
+        self._make_room(sum(1 for r in reqs if r.kv.length // ps >= len(r.kv.pages)))
         slots, rows, cols = [], [], []
         for r in reqs:
-            pos = r.kv_len
-            if pos // ps >= len(r.kv_pages):
-                r.kv_pages.extend(self.allocator.alloc(1))
-            slots.append(r.kv_pages[pos // ps] * ps + pos % ps)
-            assert r.req_pool_idx is not None
-            rows.append(r.req_pool_idx)
+            pos = r.kv.length
+            if pos // ps >= len(r.kv.pages):
+                r.kv.pages.extend(self.allocator.alloc(1))
+            slots.append(r.kv.pages[pos // ps] * ps + pos % ps)
+            assert r.kv.row is not None
+            rows.append(r.kv.row)
             cols.append(pos)
-            r.kv_len = pos + 1
+            r.kv.length = pos + 1
         out = torch.tensor(slots, dtype=torch.int64)
         self.req_to_token.write(torch.tensor(rows), torch.tensor(cols), out)
         return out
@@ -149,30 +165,30 @@ class KVCacheManager:
         """Give back every page and the table row `req` holds. Idempotent. With a cache, the
         full pages of what its forwards computed go into the cache (those it already held
         elsewhere are freed) and the lock is dropped; the rest is freed."""
-        pages, req.kv_pages = req.kv_pages, []
+        pages, req.kv.pages = req.kv.pages, []
         if self.cache is not None and pages:
-            full = min(req.computed_len // self.page_size, len(pages))
+            full = min(req.kv.computed // self.page_size, len(pages))
             _, dups = self.cache.insert(req.fill_ids[:full * self.page_size], pages[:full],
                                         salt=req.cache_salt)
-            if req.cache_node is not None:
-                self.cache.unlock(req.cache_node)
+            if req.kv.node is not None:
+                self.cache.unlock(req.kv.node)
             pages = dups + pages[full:]
-        req.cache_node = None
+        req.kv.node = None
         if pages:
             self.allocator.free(pages)
-        if req.req_pool_idx is not None:
-            self.req_to_token.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.kv_len = req.computed_len = 0
+        if req.kv.row is not None:
+            self.req_to_token.free(req.kv.row)
+            req.kv.row = None
+        req.kv.length = req.kv.computed = 0
 
     def discard(self, req: KVHolder) -> None:
         """Like `release`, but what the request computed is not offered to the cache: its KV
         is suspect (the KV canary caught it). Pages the cache held already stay there."""
         held = 0
-        node = req.cache_node
+        node = req.kv.node
         while node is not None and node.parent is not None:
             held, node = held + 1, node.parent
-        req.computed_len = held * self.page_size  # release re-inserts those: nothing new
+        req.kv.computed = held * self.page_size  # release re-inserts those: nothing new
         self.release(req)
 
     def flush_cache(self) -> int:

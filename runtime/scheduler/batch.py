@@ -75,7 +75,7 @@ class ScheduleBatch:
         tokens: list[int] = []
         positions, slots, resets = [], [], []
         for req, n in zip(self.reqs, self.extend_lens, strict=True):
-            start = req.kv_len  # > 0 for a later chunk, or a prefix found in the cache
+            start = req.kv.length  # > 0 for a later chunk, or a prefix found in the cache
             req.is_retracted = False  # re-admitted: the forwards it missed were all processed
             tokens.extend(req.fill_ids[start : start + n])
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
@@ -83,8 +83,8 @@ class ScheduleBatch:
         self.input_ids = torch.tensor(tokens, dtype=torch.int64)
         for req, last in zip(self.reqs, self.is_last_chunk, strict=True):
             if last and req.sampling_params.uses_penalties:
-                assert req.req_pool_idx is not None
-                resets.append((req.req_pool_idx, *req.penalty_history(list(req.output_ids))))
+                assert req.kv.row is not None
+                resets.append((req.kv.row, *req.penalty_history(list(req.output_ids))))
         return self._forward_batch(kv, torch.cat(positions), torch.cat(slots), self.extend_lens,
                                    resets, with_ids)
 
@@ -93,13 +93,13 @@ class ScheduleBatch:
         self.mode = "decode"
         if self.input_ids is None or len(self.input_ids) != len(self.reqs):
             raise RuntimeError("decode batch without one input token per request")
-        positions = torch.tensor([r.kv_len for r in self.reqs], dtype=torch.int64)
+        positions = torch.tensor([r.kv.length for r in self.reqs], dtype=torch.int64)
         slots = kv.grow_one_each(self.reqs)  # type: ignore[arg-type]
         resets = []
         for req in self.reqs:
             if req.needs_penalty_reset:  # prebuilt (decode role): this step's input is its 1st token
-                assert req.req_pool_idx is not None
-                resets.append((req.req_pool_idx, *req.penalty_history(req.output_ids[:-1])))
+                assert req.kv.row is not None
+                resets.append((req.kv.row, *req.penalty_history(req.output_ids[:-1])))
                 req.needs_penalty_reset = False
         return self._forward_batch(kv, positions, slots, [1] * len(self.reqs), resets, with_ids)
 
@@ -113,7 +113,7 @@ class ScheduleBatch:
         with_ids: bool,
     ) -> ForwardBatch:
         assert self.input_ids is not None
-        seq_lens = [r.kv_len for r in self.reqs]
+        seq_lens = [r.kv.length for r in self.reqs]
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
         rows = self._rows(with_ids)
         # the sampled token lands right after the last cached position: at seq_len
@@ -160,7 +160,7 @@ class Rows:
     @classmethod
     def of(cls, reqs: list[Req], with_ids: bool) -> Rows:
         return cls(build_sampling_info(reqs, with_ids),
-                   torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+                   torch.tensor([r.kv.row for r in reqs], dtype=torch.int64),
                    any(r.return_logprob for r in reqs),
                    max((r.top_logprobs_num for r in reqs), default=0), with_ids)
 
@@ -193,7 +193,7 @@ def _base_sampling_info(reqs: list[Req], params: list[SamplingParams]) -> Sampli
         min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
         # the sampled token lands right after the last cached position
-        sample_positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64),
+        sample_positions=torch.tensor([r.kv.length for r in reqs], dtype=torch.int64),
         all_greedy=all(t == 0.0 for t in temps),
         need_top_k=any(p.top_k > 0 for p in params),
         need_top_p=any(p.top_p < 1.0 for p in params),

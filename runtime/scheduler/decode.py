@@ -75,7 +75,7 @@ class DecodeManager:
         victims: list[Req] = []
         while True:
             reqs = self.running.reqs
-            need = sum(1 for r in reqs if r.kv_len // self.kv.page_size >= len(r.kv_pages))
+            need = sum(1 for r in reqs if r.kv.length // self.kv.page_size >= len(r.kv.pages))
             if need <= self.kv.available_pages:  # cached pages nobody reads go first
                 return victims
             if chunked is not None:

@@ -54,11 +54,11 @@ class PrefillAdder:
         """Try to add (a chunk of) req; False means stop adding."""
         if len(self.batch) >= self.max_new_reqs or self.budget <= 0:
             return False
-        if req.req_pool_idx is None and self.kv.req_to_token.available <= self.rows_claimed:
+        if req.kv.row is None and self.kv.req_to_token.available <= self.rows_claimed:
             # every request slot is held, not only by running requests: a prefill's handed-off
             # requests keep theirs until their KV is sent, a decode's rooms while KV arrives
             return False
-        fresh = not req.kv_pages  # from scratch (new, or retracted): from its cached prefix
+        fresh = not req.kv.pages  # from scratch (new, or retracted): from its cached prefix
         reused = self.kv.adopt_prefix(req) if fresh else 0
         if fresh and not req.is_retracted:
             req.cached_tokens = reused
@@ -76,7 +76,7 @@ class PrefillAdder:
         step or two and finds them in the prefix cache: a burst of prompts with one long
         system prompt computes it once, not once per prompt."""
         cache = self.kv.cache
-        if cache is None or req.kv_pages:
+        if cache is None or req.kv.pages:
             return False
         ids, ps = req.fill_ids, self.kv.page_size
         usable = (len(ids) - 1) // ps * ps
@@ -89,9 +89,9 @@ class PrefillAdder:
         return shared - cached >= WAIT_FOR_SHARED_TOKENS
 
     def _fits(self, req: Req) -> bool:
-        remaining = len(req.fill_ids) - req.kv_len
+        remaining = len(req.fill_ids) - req.kv.length
         n = min(remaining, self.budget)
-        pages = self.kv.pages_needed(req, req.kv_len + n)
+        pages = self.kv.pages_needed(req, req.kv.length + n)
         reserve = 0
         if n == remaining:
             reserve = self.kv.allocator.pages_for(decode_reserve_tokens([req], self.ratio))
@@ -105,9 +105,9 @@ class PrefillAdder:
         return True
 
     def _take(self, req: Req) -> bool:
-        if req.req_pool_idx is None:
+        if req.kv.row is None:
             self.rows_claimed += 1
-        remaining = len(req.fill_ids) - req.kv_len
+        remaining = len(req.fill_ids) - req.kv.length
         n = min(remaining, self.budget)
         is_last = n == remaining
         self.budget -= n

@@ -8,8 +8,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.kvcache.manager import KVSlots
 from runtime.messages import Bootstrap, FinishKind, FinishReason, KVOffer
 from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLog:
+    """What a request asked for beside its output tokens, one entry per token: logprobs, top
+    logprobs (each only when asked for), and custom per-token info from the sampler."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    info: dict[str, list[Any]] = field(default_factory=dict)
+
+    def at(self, i: int) -> tuple[float | None, list[tuple[int, float]] | None, dict[str, Any]]:
+        """Token `i`'s entries (None / {} where nothing was logged)."""
+        return (self.logprobs[i] if self.logprobs else None,
+                self.top_logprobs[i] if self.top_logprobs else None,
+                {key: values[i] for key, values in self.info.items() if values})
+
+    def pop(self) -> tuple[float | None, list[tuple[int, float]] | None, dict[str, Any]]:
+        """The newest token's entries, taken out."""
+        return (self.logprobs.pop() if self.logprobs else None,
+                self.top_logprobs.pop() if self.top_logprobs else None,
+                {key: values.pop() for key, values in self.info.items() if values})
 
 
 @dataclass(eq=False)
@@ -23,22 +46,14 @@ class Req:
     bootstrap: Bootstrap | None = None  # PD: its room, its prefill, the router's ticket
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
-    # KV state (owned by KVCacheManager): table row, pages, and tokens whose KV is (being) written.
-    req_pool_idx: int | None = None
-    kv_pages: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    computed_len: int = 0  # of kv_len, the positions a finished forward wrote (cacheable)
-    cache_node: Any = None  # the prefix-cache node it reads from (locked), if any
+    kv: KVSlots = field(default_factory=KVSlots)  # its KV pages and table row (KVCacheManager)
     cache_salt: str | None = None  # the prefix cache's namespace it reads and fills
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     canary_chain: Any = None  # KV canary: the tags its tokens give their slots (ReqChain)
     # Set when the scheduler evicts the request to free KV; results of batches that were already
     # in flight for it are dropped, and it re-prefills prompt + output later.
     is_retracted: bool = False
-    # Per-token outputs beyond the ids.
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    customized_info: dict[str, list[Any]] = field(default_factory=dict)
+    log: TokenLog = field(default_factory=TokenLog)  # per-token outputs beyond the ids
     # How many output tokens have been sent out (OutputStreamer's cursor).
     sent_len: int = 0
     # Decode role: penalty rows start at its first decode step (its prompt was prefilled elsewhere).
@@ -84,11 +99,11 @@ class Req:
         """Record one sampled token with what was asked for alongside it."""
         self.output_ids.append(token)
         if self.return_logprob and logprob is not None:
-            self.output_logprobs.append(logprob)
+            self.log.logprobs.append(logprob)
             if self.top_logprobs_num and top_logprobs is not None:
-                self.output_top_logprobs.append(top_logprobs)
+                self.log.top_logprobs.append(top_logprobs)
         for key, value in (info or {}).items():
-            self.customized_info.setdefault(key, []).append(value)
+            self.log.info.setdefault(key, []).append(value)
 
     def finish(self, kind: FinishKind, message: str | None = None) -> None:
         self.finished_reason = FinishReason(kind, message=message)
@@ -111,18 +126,9 @@ class Req:
             cache_salt=self.cache_salt,
             resumed_outputs=self.resumed_outputs + len(self.output_ids) - 1,
             cached_tokens=self.cached_tokens,  # (the prefill's, which its usage reports)
-            # its KV, which this one gives up below
-            req_pool_idx=self.req_pool_idx, kv_pages=self.kv_pages, kv_len=self.kv_len,
-            computed_len=self.computed_len, cache_node=self.cache_node,
+            kv=self.kv.give_up(),  # its KV, which this one gives up
         )
-        token = self.output_ids.pop()
-        logprob = self.output_logprobs.pop() if self.return_logprob and self.output_logprobs else None
-        top = self.output_top_logprobs.pop() if logprob is not None and self.top_logprobs_num \
-            and self.output_top_logprobs else None
-        info = {key: values.pop() for key, values in self.customized_info.items() if values}
-        moved.append_token(token, logprob, top, info)
-        self.req_pool_idx, self.kv_pages, self.cache_node = None, [], None
-        self.kv_len = self.computed_len = 0
+        moved.append_token(self.output_ids.pop(), *self.log.pop())
         self.finished_reason = FinishReason("moved", offer=offer)
         return moved
 
@@ -158,4 +164,4 @@ class Req:
 
     def reset_for_retract(self) -> None:
         self.is_retracted = True
-        self.kv_len = 0
+        self.kv.length = 0

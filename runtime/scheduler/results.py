@@ -88,7 +88,7 @@ class ResultProcessor:
     def _advance(self, done: Launched, i: int, req: Req, rows: HostRows) -> bool:
         """Request i's KV is written and, unless it was a prompt's earlier chunk, its token
         sampled; True if it has an output due here."""
-        req.computed_len = max(req.computed_len, done.kv_lens[i])  # its KV is written now
+        req.kv.computed = max(req.kv.computed, done.kv_lens[i])  # its KV is written now
         if done.mode == "extend":  # its prompt's pages are reusable from now on
             self.kv.cache_progress(req)
             if not done.is_last_chunk[i]:

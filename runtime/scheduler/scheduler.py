@@ -206,7 +206,7 @@ class Scheduler:
             # the next step does not run them, process() does: FutureMap.settle).
             batch.input_ids = -future_indices
         return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result,
-                        future_indices, [r.kv_len for r in batch.reqs])
+                        future_indices, [r.kv.length for r in batch.reqs])
 
     def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
         """Runs on the forward thread, strictly after the previous step's forward."""
@@ -257,7 +257,7 @@ class Scheduler:
         chunked (it becomes `chunked_req`). One that would compute what a prefill in flight
         computes too waits and keeps its place (PrefillAdder.should_wait)."""
         # prompts whose prefill is launched but not processed yet: not in the cache so far
-        prefilling = [r for r in self.decode.running.reqs if r.computed_len < len(r.origin_input_ids)
+        prefilling = [r for r in self.decode.running.reqs if r.kv.computed < len(r.origin_input_ids)
                       ] if self.kv.cache is not None else []
         deferred: list[Req] = []
         while self.waiting and adder.chunked is None:

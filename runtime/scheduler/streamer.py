@@ -66,9 +66,9 @@ class OutputStreamer:
             cached_tokens=req.cached_tokens,
         )
         if req.return_logprob:
-            out.output_logprobs = req.output_logprobs[lo:hi]
+            out.output_logprobs = req.log.logprobs[lo:hi]
             if req.top_logprobs_num:
-                out.output_top_logprobs = req.output_top_logprobs[lo:hi]
-        if req.customized_info:
-            out.customized_info = {k: v[lo:hi] for k, v in req.customized_info.items()}
+                out.output_top_logprobs = req.log.top_logprobs[lo:hi]
+        if req.log.info:
+            out.customized_info = {k: v[lo:hi] for k, v in req.log.info.items()}
         return out

@@ -17,7 +17,7 @@ from runtime.attention.registry import create_attention_backend
 from runtime.attention.torch_backend import TorchAttention
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.allocator import PageAllocator
-from runtime.kvcache.manager import KVCacheManager
+from runtime.kvcache.manager import KVCacheManager, KVSlots
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
@@ -26,9 +26,7 @@ LAYER = 1  # a middle layer of a 3-layer pool: pages are strided past the other 
 
 @dataclass
 class Holder:  # what KVCacheManager needs of a request
-    req_pool_idx: int | None = None
-    kv_pages: list[int] = field(default_factory=list)
-    kv_len: int = 0
+    kv: KVSlots = field(default_factory=KVSlots)
 
 
 def decode_setup(
@@ -54,7 +52,7 @@ def decode_setup(
         input_ids=torch.zeros(b, dtype=torch.int64),
         positions=torch.tensor([n - 1 for n in seq_lens]),
         out_cache_loc=out_loc,
-        req_pool_indices=torch.tensor([h.req_pool_idx for h in holders]),
+        req_pool_indices=torch.tensor([h.kv.row for h in holders]),
         seq_lens=list(seq_lens),
         extend_lens=[1] * b,
         seq_lens_t=torch.tensor(seq_lens),

@@ -13,15 +13,13 @@ import torch
 
 from runtime.attention.flashinfer_backend import page_counts, page_indices
 from runtime.kvcache.allocator import PageAllocator
-from runtime.kvcache.manager import KVCacheManager
+from runtime.kvcache.manager import KVCacheManager, KVSlots
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 
 @dataclass
 class Holder:
-    req_pool_idx: int | None = None
-    kv_pages: list[int] = field(default_factory=list)
-    kv_len: int = 0
+    kv: KVSlots = field(default_factory=KVSlots)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -35,14 +33,14 @@ def test_page_table_lists_each_requests_pages_in_order(page_size: int) -> None:
     holders = [Holder() for _ in range(6)]
     for _ in range(3):  # grow in turns, so requests' pages interleave
         for h in holders:
-            kv.grow(h, h.kv_len + rng.randint(1, 40))
+            kv.grow(h, h.kv.length + rng.randint(1, 40))
     order = [4, 0, 5, 2]  # a batch is any subset, in any order
-    seq_lens = [holders[i].kv_len for i in order]
+    seq_lens = [holders[i].kv.length for i in order]
     indptr, last, total = page_counts(seq_lens, page_size)
-    req_idx = torch.tensor([holders[i].req_pool_idx for i in order])
+    req_idx = torch.tensor([holders[i].kv.row for i in order])
     indices = page_indices(kv.req_to_token.table, req_idx, torch.tensor(seq_lens), page_size, total)
     assert indices.dtype == indptr.dtype == last.dtype == torch.int32
-    assert indices.tolist() == [p for i in order for p in holders[i].kv_pages]
-    assert indptr.tolist() == [0, *torch.tensor([len(holders[i].kv_pages) for i in order]).cumsum(0).tolist()]
+    assert indices.tolist() == [p for i in order for p in holders[i].kv.pages]
+    assert indptr.tolist() == [0, *torch.tensor([len(holders[i].kv.pages) for i in order]).cumsum(0).tolist()]
     assert all(1 <= n <= page_size for n in last.tolist())
     assert [(p - 1) * page_size + n for p, n in zip(indptr.diff().tolist(), last.tolist(), strict=True)] == seq_lens

@@ -74,11 +74,11 @@ def test_pages_fence_registration_then_kv_then_prebuilt(w: World) -> None:
     assert state(w.role, 1) is RoomState.BOOTSTRAPPING and w.kv.is_all_free()  # pool full: waits
     w.scheduler.room_for = True
     w.role.poll()
-    assert len(req.kv_pages) == 3 and not w.client.rooms  # pages taken; the fence not passed yet
+    assert len(req.kv.pages) == 3 and not w.client.rooms  # pages taken; the fence not passed yet
     w.scheduler.passed = 10**9
     polls_until(w.role, lambda: state(w.role, 1) is RoomState.WAITING_FOR_INPUT)
     (sent,) = w.client.rooms
-    assert (sent.room, sent.dst_pages, sent.prompt_len) == (1, req.kv_pages, 10)
+    assert (sent.room, sent.dst_pages, sent.prompt_len) == (1, req.kv.pages, 10)
     assert w.fence.peer_of(1) == PREFILL
     w.arrive(req)
     touched = w.role.poll()
@@ -156,7 +156,7 @@ def test_room_failed_from_its_prefill_ends_it_and_from_another_is_ignored(w: Wor
     assert touched == [mine] and "its prefill broke" in mine.finished_reason.message  # type: ignore[union-attr,operator]
     assert state(w.role, 5) is RoomState.WAITING_FOR_INPUT  # untouched by the intruder
     assert w.client.cancels == []  # its prefill said its last word: free at once
-    assert len(mine.kv_pages) == 0 and len(other.kv_pages) == 3
+    assert len(mine.kv.pages) == 0 and len(other.kv.pages) == 3
 
 
 def test_an_aux_record_that_does_not_match_fails_the_room(w: World) -> None:
@@ -191,7 +191,7 @@ def test_a_landing_write_holds_the_pages_until_it_ends(w: World) -> None:
         pytest.skip("a one-sided write has no landing to see")
     req = request("r8", 8)
     w.registered(req)
-    assert w.fence.admit(8, list(req.kv_pages), PREFILL)  # the receiver is filling them
+    assert w.fence.admit(8, list(req.kv.pages), PREFILL)  # the receiver is filling them
     w.role.abort("r8", "client left")
     w.role.poll()
     assert req.finished and not w.kv.is_all_free()

@@ -29,18 +29,18 @@ def test_manager_maps_positions_to_page_slots_and_releases() -> None:
     kv = KVCacheManager(PageAllocator(8, 4), ReqToTokenPool(2, 64))
     req = Req("r", [1] * 6, SamplingParams())
     slots = kv.grow(req, 6).tolist()
-    assert len(req.kv_pages) == 2 and req.kv_len == 6
-    p0, p1 = req.kv_pages
+    assert len(req.kv.pages) == 2 and req.kv.length == 6
+    p0, p1 = req.kv.pages
     assert slots == [p0 * 4, p0 * 4 + 1, p0 * 4 + 2, p0 * 4 + 3, p1 * 4, p1 * 4 + 1]
     more = kv.grow_one_each([req, req]).tolist()  # positions 6 and 7, still page p1
-    assert more == [p1 * 4 + 2, p1 * 4 + 3] and len(req.kv_pages) == 2
-    assert kv.grow_one_each([req]).tolist() == [req.kv_pages[2] * 4]  # position 8: a new page
-    assert req.req_pool_idx is not None
-    row = kv.req_to_token.table[req.req_pool_idx, :9].tolist()
-    assert row == slots + more + [req.kv_pages[2] * 4]
+    assert more == [p1 * 4 + 2, p1 * 4 + 3] and len(req.kv.pages) == 2
+    assert kv.grow_one_each([req]).tolist() == [req.kv.pages[2] * 4]  # position 8: a new page
+    assert req.kv.row is not None
+    row = kv.req_to_token.table[req.kv.row, :9].tolist()
+    assert row == slots + more + [req.kv.pages[2] * 4]
     kv.release(req)
     kv.release(req)  # idempotent
-    assert kv.is_all_free() and req.kv_pages == [] and req.req_pool_idx is None
+    assert kv.is_all_free() and req.kv.pages == [] and req.kv.row is None
 
 
 def test_req_to_token_pool_exhaustion_is_clear() -> None:

@@ -38,7 +38,7 @@ def test_make_room_retracts_the_chunked_request_first_then_the_newest() -> None:
     victims = decode.make_room(chunked)
     assert victims == [chunked, b], "the chunked one is newest, then the batch's last"
     assert decode.running.reqs == [a] and len(decode.running.input_ids) == 1  # type: ignore[arg-type]
-    assert all(v.is_retracted and v.kv_len == 0 and not v.kv_pages for v in victims)
+    assert all(v.is_retracted and v.kv.length == 0 and not v.kv.pages for v in victims)
     assert decode.num_retractions == 2 and decode.new_token_ratio == pytest.approx(0.5 + 2 * RATIO_BUMP)
 
 
@@ -82,7 +82,7 @@ def test_handoffs_discard_and_take() -> None:
 def launched(reqs: list[Req], mode: ForwardMode, last: list[bool], tokens: list[int]) -> Launched:
     result: Future[ForwardOutput] = Future()
     result.set_result(ForwardOutput(torch.tensor(tokens, dtype=torch.int64)))
-    return Launched(list(reqs), mode, last, result, None, [r.kv_len for r in reqs])
+    return Launched(list(reqs), mode, last, result, None, [r.kv.length for r in reqs])
 
 
 def test_results_hand_off_chunk_and_drop() -> None:
@@ -98,10 +98,10 @@ def test_results_hand_off_chunk_and_drop() -> None:
     gone.is_retracted = True
     done = launched([plain, hand, chunk, gone], "extend", [True, True, False, True], [5, 6, 7, 8])
     touched = results.process(done, done.result.result())
-    assert touched == [plain] and plain.output_ids == [5] and plain.computed_len == 8
+    assert touched == [plain] and plain.output_ids == [5] and plain.kv.computed == 8
     assert handoffs.take_handed_off() == [hand] and hand.output_ids == [6]
-    assert chunk.output_ids == [] and chunk.computed_len == 4, "a prompt's earlier chunk samples nothing"
-    assert gone.output_ids == [] and gone.computed_len == 0, "a retracted request's result is dropped"
+    assert chunk.output_ids == [] and chunk.kv.computed == 4, "a prompt's earlier chunk samples nothing"
+    assert gone.output_ids == [] and gone.kv.computed == 0, "a retracted request's result is dropped"
 
 
 def test_results_finish_frees_kv() -> None:

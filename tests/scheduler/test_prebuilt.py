@@ -41,9 +41,9 @@ class CopyHandoff:
 
     def copy(self, req: Req, twin: Req) -> None:
         n = len(twin.origin_input_ids)
-        assert twin.req_pool_idx is not None and req.req_pool_idx is not None
-        dst_slots = self.dst.kv.req_to_token.table[twin.req_pool_idx, :n]
-        src_slots = self.src.kv.req_to_token.table[req.req_pool_idx, :n]
+        assert twin.kv.row is not None and req.kv.row is not None
+        dst_slots = self.dst.kv.req_to_token.table[twin.kv.row, :n]
+        src_slots = self.src.kv.req_to_token.table[req.kv.row, :n]
         self.dst.slot_tokens[dst_slots] = self.src.slot_tokens[src_slots]
         twin.append_token(req.output_ids[0])
         self.src.kv.release(req)
@@ -105,7 +105,7 @@ def test_prebuilt_joins_a_running_batch_with_placeholders() -> None:
     assert decode.decode.running.input_ids is not None and bool((decode.decode.running.input_ids < 0).all())
     late = Req("late", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6, temperature=0.0))
     runner.kv.grow(late, 5)
-    runner.slot_tokens[runner.kv.req_to_token.table[late.req_pool_idx, :5]] = torch.tensor(
+    runner.slot_tokens[runner.kv.req_to_token.table[late.kv.row, :5]] = torch.tensor(
         late.origin_input_ids
     )
     late.append_token(expected_outputs(late.origin_input_ids, 1)[0])

@@ -104,7 +104,7 @@ def test_an_abort_mid_prefill_caches_only_what_was_computed(overlap: bool) -> No
     sched.add_request(long)
     for _ in range(4):  # a few 8-token chunks
         sched.step()
-    done = long.computed_len
+    done = long.kv.computed
     assert 0 < done < len(prompt)
     assert sched.abort("long")
     sched.step()
@@ -163,7 +163,7 @@ def test_a_request_waiting_for_room_pins_nothing_and_is_counted_once() -> None:
     sched.add_request(late)
     waited = 0
     while late in sched.waiting:
-        assert late.cache_node is None and not late.kv_pages, "a waiting request pins pages"
+        assert late.kv.node is None and not late.kv.pages, "a waiting request pins pages"
         sched.step()
         waited += 1
     run(sched, [])

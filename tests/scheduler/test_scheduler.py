@@ -136,7 +136,7 @@ def test_abort_running_and_waiting_frees_kv(overlap: bool) -> None:
     sched.add_request(waiting)
     for _ in range(4):
         sched.step()
-    assert running.kv_pages and waiting in sched.waiting
+    assert running.kv.pages and waiting in sched.waiting
     assert sched.abort("running") and sched.abort("waiting")
     assert not sched.abort("nope")
     outs = []
@@ -228,8 +228,8 @@ def test_fake_runner_notices_corrupted_kv() -> None:
     sched.add_request(req)
     for _ in range(4):
         sched.step()
-    assert req.req_pool_idx is not None
-    row = runner.kv.req_to_token.table[req.req_pool_idx]
+    assert req.kv.row is not None
+    row = runner.kv.req_to_token.table[req.kv.row]
     row[0], row[1] = row[1].clone(), row[0].clone()  # swap two positions' slots
     run(sched, [])
     with pytest.raises(AssertionError):

@@ -15,10 +15,10 @@ def _req(stream: bool = True, interval: int | None = None, logprobs: bool = Fals
 
 def _step(req: Req, token: int) -> None:
     req.output_ids.append(token)
-    req.output_logprobs.append(-float(token))
-    req.output_top_logprobs.append([(token, -1.0), (token + 1, -2.0)])
-    req.customized_info.setdefault("mirror", []).append(token)
-    req.customized_info.setdefault("twice", []).append(2 * token)
+    req.log.logprobs.append(-float(token))
+    req.log.top_logprobs.append([(token, -1.0), (token + 1, -2.0)])
+    req.log.info.setdefault("mirror", []).append(token)
+    req.log.info.setdefault("twice", []).append(2 * token)
 
 
 def _run(streamer: OutputStreamer, req: Req, n: int, finish_at: int | None = None) -> list[tuple[int, ReqOutput]]:
@@ -63,8 +63,8 @@ def test_outputs_are_incremental_and_concatenate_to_the_whole() -> None:
     out = [o for _, o in _run(OutputStreamer(stream_interval=3), req, 8, finish_at=8)]
     whole = ReqOutput.concat(out)
     assert whole.output_ids == req.output_ids
-    assert whole.output_logprobs == req.output_logprobs
-    assert whole.output_top_logprobs == req.output_top_logprobs
+    assert whole.output_logprobs == req.log.logprobs
+    assert whole.output_top_logprobs == req.log.top_logprobs
     assert whole.customized_info == {"mirror": req.output_ids, "twice": [2 * t for t in req.output_ids]}
     assert whole.completion_tokens == 8 and whole.prompt_tokens == 3 and whole.finished
     for o in out:  # each key sliced alike
