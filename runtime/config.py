@@ -141,6 +141,11 @@ class EngineConfig:
         "free every KV page when its request ends instead of keeping it for reuse; default: "
         "the cache is on, except on a decode server (its KV arrives by transfer)"))
     num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
+    tp: int = field(default=1, metadata={**_help(
+        "tensor parallelism: split the model over this many ranks, one process each (one GPU "
+        "each where there are enough; docs/tensor-parallel.md)"), "aliases": ("--tensor-parallel-size",)})
+    tp_timeout_s: float = field(default=120.0, metadata=_help(
+        "tensor parallelism: a collective that waits this long for a rank ends the server"))
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 
-def serving_device(name: str) -> torch.device:
-    """The device to serve on, with its index ("cuda" is the current GPU)."""
+def serving_device(name: str, rank: int = 0) -> torch.device:
+    """The device to serve on, with its index ("cuda" is the current GPU; under tensor
+    parallelism rank r's is GPU r, or the current one when there are fewer GPUs than ranks)."""
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        return torch.device("cuda", rank if 0 < rank < count else torch.cuda.current_device())
     return device
 
 

@@ -12,10 +12,10 @@ import uuid
 from typing import Any
 
 from runtime.config import CanaryConfig, EngineConfig, SchedulerConfig
-from runtime.engine.model_runner import ModelRunner
 from runtime.messages import ReqOutput
 from runtime.result import cut_at_stop, generate_result
 from runtime.sampling_params import InvalidRequest, SamplingParams
+from runtime.scheduler.ranks import start_model
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 from runtime.tokenizer import load_tokenizer, tail_decoder
@@ -38,10 +38,12 @@ class Engine:
 
     def __init__(self, model: str = "builtin:smollm2-135m", **engine_args: Any) -> None:
         engine_cfg, sched_cfg, canary = split_engine_args({"model": model, **engine_args})
-        self.runner = ModelRunner(engine_cfg, sched_cfg.max_running_requests, canary=canary)
+        # under tp > 1 the other ranks start with it (runtime/scheduler/ranks.py)
+        self.runner, self.ranks = start_model(engine_cfg, sched_cfg.max_running_requests,
+                                              canary=canary)
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.scheduler = Scheduler(sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer),
-                                   canary=canary)
+                                   canary=canary, ranks=self.ranks)
 
     def generate(
         self,
@@ -123,6 +125,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
+from runtime.models.parallel import TensorParallel
 from runtime.models.registry import build_model
 
 log = logging.getLogger(__name__)
@@ -55,20 +57,26 @@ def _eos_token_ids(path: Path, mc: ModelConfig) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_running_requests: int,
-                 prefix_cache: bool | None = None, canary: CanaryConfig | None = None) -> None:
-        """`prefix_cache` None: on unless `config.disable_prefix_cache`; `canary` None: off."""
+                 prefix_cache: bool | None = None, canary: CanaryConfig | None = None,
+                 rank: int = 0) -> None:
+        """`prefix_cache` None: on unless `config.disable_prefix_cache`; `canary` None: off;
+        `rank`: which part of the model it holds under `config.tp` > 1 (runtime/scheduler/
+        ranks.py starts the other ranks)."""
         self.config = config
+        self.tp = tp = TensorParallel(rank, config.tp)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif tp.size > 1 and config.device == "cpu":  # the ranks share this machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.size))
         self.model_path: Path = resolve_model_path(config.model)
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
         self.context_len = min(config.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.device = serving_device(config.device)
+        self.device = serving_device(config.device, tp.rank)
         bind_thread(self.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         try:
-            self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn)
+            self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn, tp)
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
         if prefix_cache is None:
@@ -85,7 +93,9 @@ class ModelRunner:
                                   mc.vocab_size, isinstance(self.sampler, TokenOracleSampler))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
-            if self.attn.cuda_graph_safe and self.model.cuda_graph_safe:
+            if tp.size > 1:
+                log.info("decode graphs: off (not yet captured with tensor parallelism)")
+            elif self.attn.cuda_graph_safe and self.model.cuda_graph_safe:
                 self.graphs = self.decode_graphs(min(config.cuda_graph_max_bs, max_running_requests))
             elif not self.model.cuda_graph_safe:
                 log.info("decode graphs: off (the MoE experts read their counts on the host "
@@ -94,23 +104,29 @@ class ModelRunner:
                 log.info("decode graphs: off (%s cannot be captured; --attention-backend triton "
                          "or flashinfer can)", type(self.attn).__name__)
         log.info(
-            "model %s: %d layers, dtype %s on %s, matmuls %s, attention %s",
+            "model %s: %d layers, dtype %s on %s, matmuls %s, attention %s%s",
             self.model_path, mc.num_layers, self.dtype, self.device,
             "oneDNN" if onednn else "torch", type(self.attn).__name__,
+            f", TP rank {tp.rank} of {tp.size} ({self.model.num_kv_heads} KV heads)"
+            if tp.size > 1 else "",
         )
 
     def _kv_cache(self, max_running_requests: int,
                   prefix_cache: bool) -> tuple[KVPool, KVCacheManager]:
         config, mc = self.config, self.model_config
-        shape = (mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim)
+        kv_heads = self.model.num_kv_heads  # this rank's
+        shape = (mc.num_layers, config.page_size, kv_heads, mc.head_dim)
         num_pages, sized_by = kv_pages(
             self.device, config.max_total_tokens, config.mem_fraction_static, config.page_size,
             page_nbytes(*shape, self.dtype),
         )
+        num_pages = self.tp.min_int(num_pages)  # a page index means one slot on every rank
         try:  # one page more than the allocator hands out: decode graphs pad into it
-            pool = KVPool(mc.num_layers, num_pages + 1, config.page_size, mc.num_kv_heads, mc.head_dim,
+            pool = KVPool(mc.num_layers, num_pages + 1, config.page_size, kv_heads, mc.head_dim,
                           self.dtype, self.device)
-            table = ReqToTokenPool(max_running_requests, self.context_len, self.device)
+            # under TP the table's writes travel with each forward to every rank
+            table = ReqToTokenPool(max_running_requests, self.context_len, self.device,
+                                   deferred=self.tp.size > 1 or None)
         except torch.OutOfMemoryError as e:
             raise out_of_memory(f"a KV pool of {num_pages * config.page_size} tokens", e) from None
         log.info("KV pool: %d tokens (%.0f MiB) from %s", num_pages * config.page_size,

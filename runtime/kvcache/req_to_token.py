@@ -12,14 +12,17 @@ import torch
 
 
 class ReqToTokenPool:
-    def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu",
+                 deferred: bool | None = None) -> None:
+        """deferred None: writes wait for the next forward off the CPU (True: there too, as
+        under tensor parallelism, where each forward carries them to every rank)."""
         self.max_reqs = max_reqs
         self.max_context = max_context
         # [max_reqs + 1, max_context] int64: KV slot of each position; stale beyond a request's
         # length. The last row is never handed out: padding rows of a decode graph use it.
         self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int64, device=device)
         self.scratch_row = max_reqs
-        self.deferred = self.table.device.type != "cpu"  # writes wait for the next forward
+        self.deferred = deferred or self.table.device.type != "cpu"  # writes wait for the next forward
         self._writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, cols, slots)
         self._free = list(range(max_reqs - 1, -1, -1))
 

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from runtime.attention.base import AttentionBackend
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.models.linear import Linear
 from runtime.models.mlp import FeedForward, GatedMLP
+from runtime.models.parallel import TensorParallel
 from runtime.models.rope import RotaryEmbedding, apply_rope
+from runtime.models.weights import Weights
 
 if TYPE_CHECKING:
     from runtime.models.fused import TritonOps
@@ -71,19 +72,27 @@ TORCH_OPS = TorchOps()
 
 class LlamaModel:
     def __init__(
-        self, config: ModelConfig, path: Path, dtype: torch.dtype, device: str, onednn: bool = False
+        self, config: ModelConfig, path: Path, dtype: torch.dtype, device: str, onednn: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
-        """onednn: run the matmuls through oneDNN (linear.use_onednn decides where it can)."""
+        """onednn: run the matmuls through oneDNN (linear.use_onednn decides where it can).
+        tp: this rank's part of the model under tensor parallelism (None: all of it)."""
         self.config = config
         self.dtype = dtype
         self.onednn = onednn
-        w = _load_safetensors(path, dtype, device)
-        self.embed = w.pop("model.embed_tokens.weight")  # [vocab, hidden]
-        self.final_norm = w.pop("model.norm.weight")
-        head = w.pop("lm_head.weight", None)
-        if config.tie_word_embeddings or head is None:
-            head = self.embed
+        self.tp = tp = tp or TensorParallel()
+        tp.check(config)
+        c = config
+        (h0, h1), (k0, k1) = tp.heads(c), tp.kv_heads(c)
+        self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0  # this rank's
+        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        w = Weights(path, dtype, device, tp)
+        self.vocab_rows = tp.vocab(c.vocab_size)
+        self.embed = w.rows("model.embed_tokens.weight", *self.vocab_rows)  # [vocab part, hidden]
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        head = self.embed if tied else w.rows("lm_head.weight", *self.vocab_rows)
         self.lm_head = Linear(head, None, onednn)
+        self.final_norm = w.pop("model.norm.weight")
         self.layers = [self._layer(w, i) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(
             config.head_dim,
@@ -91,8 +100,6 @@ class LlamaModel:
             config.rope_theta,
             config.rope_scaling,
         ).to(device, dtype)
-        c = config
-        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.ops: TorchOps | TritonOps = TORCH_OPS
         if torch.device(device).type == "cuda":  # triton is imported only here
             from runtime.models.fused import TRITON_OPS
@@ -113,33 +120,36 @@ class LlamaModel:
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, (H + 2KVH) * D] -> q [T, H, D], k and v [T, KVH, D]."""
-        c, t = self.config, qkv.shape[0]
+        d, t = self.config.head_dim, qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
-                v.view(t, c.num_kv_heads, c.head_dim))
+        return (q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                v.view(t, self.num_kv_heads, d))
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
-        attn = [w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-        biases = [w.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
-        qkv_bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+    def _layer(self, w: Weights, i: int) -> LayerWeights:
+        p, d = f"model.layers.{i}.", self.config.head_dim
+        (h0, h1), (k0, k1) = self.tp.heads(self.config), self.tp.kv_heads(self.config)
+        spans = {"q": (h0 * d, h1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)}
+        attn = [w.rows(f"{p}self_attn.{n}_proj.weight", *spans[n]) for n in "qkv"]
+        biases = [w.rows(f"{p}self_attn.{n}_proj.bias", *spans[n])
+                  for n in "qkv" if f"{p}self_attn.{n}_proj.bias" in w]
         return LayerWeights(
             input_norm=w.pop(f"{p}input_layernorm.weight"),
-            qkv=Linear(torch.cat(attn), qkv_bias, self.onednn),
-            o=Linear(w.pop(f"{p}self_attn.o_proj.weight"), None, self.onednn),
+            qkv=Linear(torch.cat(attn), torch.cat(biases) if biases else None, self.onednn),
+            o=Linear(w.cols(f"{p}self_attn.o_proj.weight", h0 * d, h1 * d), None, self.onednn),
             post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
             mlp=self._mlp(w, i),
         )
 
-    def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
-        """Layer i's feed-forward, its weights popped from `w`: where MoE families differ."""
+    def _mlp(self, w: Weights, i: int) -> FeedForward:
+        """Layer i's feed-forward, its weights taken from `w`: where MoE families differ."""
         return self.gated_mlp(w, f"model.layers.{i}.mlp.")
 
-    def gated_mlp(self, w: dict[str, torch.Tensor], p: str) -> GatedMLP:
-        """The gated MLP whose gate_proj, up_proj and down_proj weights are under `p`."""
-        gate_up = torch.cat([w.pop(f"{p}gate_proj.weight"), w.pop(f"{p}up_proj.weight")])
+    def gated_mlp(self, w: Weights, p: str) -> GatedMLP:
+        """The gated MLP whose gate_proj, up_proj and down_proj weights are under `p` (this
+        rank's share of the intermediate size)."""
+        gate_up = torch.cat([w.split_rows(f"{p}gate_proj.weight"), w.split_rows(f"{p}up_proj.weight")])
         return GatedMLP(Linear(gate_up, None, self.onednn),
-                        Linear(w.pop(f"{p}down_proj.weight"), None, self.onednn))
+                        Linear(w.split_cols(f"{p}down_proj.weight"), None, self.onednn))
 
     @torch.inference_mode()
     def forward(
@@ -147,28 +157,27 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run the new tokens; return logits [R, vocab] for `logits_rows` (all rows when None)."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        x = self.embed[batch.input_ids]  # [T, hidden]: the residual stream
+        x = self.embed_tokens(batch.input_ids)  # [T, hidden]: the residual stream
         attn.begin(batch)
         cos_sin = self.rope.lookup(batch.positions)
         delta = None  # what the last MLP adds to x
         for i, lw in enumerate(self.layers):
             h, x = ops.add_rms_norm(x, delta, lw.input_norm, eps)
             q, k, v = self.qkv(lw, h, cos_sin)
-            h, x = ops.add_rms_norm(x, lw.o(attn.forward(i, q, k, v, batch)), lw.post_norm, eps)
-            delta = lw.mlp(h, ops)
+            o = self.tp.all_reduce(lw.o(attn.forward(i, q, k, v, batch)))
+            h, x = ops.add_rms_norm(x, o, lw.post_norm, eps)
+            delta = self.tp.all_reduce(lw.mlp(h, ops))
         if logits_rows is not None:
             x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
         h, _ = ops.add_rms_norm(x, delta, self.final_norm, eps)
-        return self.lm_head(h).float()  # [R, vocab]
+        return self.tp.gather_vocab(self.lm_head(h).float(), self.config.vocab_size)  # [R, vocab]
 
-
-def _load_safetensors(path: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                weights[name] = st.get_tensor(name).to(device=device, dtype=dtype)
-    return weights
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's embedding row [T, hidden]; under TP the rank holding the row gives it
+        and the others add zeros (an exact sum)."""
+        if self.tp.size == 1:
+            return self.embed[ids]
+        lo, hi = self.vocab_rows
+        mine = (ids >= lo) & (ids < hi)
+        x = self.embed[torch.where(mine, ids - lo, 0)] * mine.unsqueeze(-1).to(self.embed.dtype)
+        return self.tp.all_reduce(x)

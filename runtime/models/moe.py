@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from runtime.config import MoEConfig
 from runtime.models.mlp import GatedMLP, SmallOps
+from runtime.models.weights import Weights
 
 
 class SparseMoE:
@@ -76,20 +77,21 @@ class SparseMoE:
         return torch._grouped_mm(act, self.down_t, offs=offsets)
 
 
-def load_qwen_moe(w: dict[str, torch.Tensor], prefix: str, moe: MoEConfig) -> SparseMoE:
+def load_qwen_moe(w: Weights, prefix: str, moe: MoEConfig) -> SparseMoE:
     """Qwen-MoE's routed experts under `prefix` (its `gate` router, `experts.j.*_proj`)."""
     return load_moe(w, f"{prefix}gate.weight", f"{prefix}experts.",
                     ("gate_proj", "up_proj", "down_proj"), moe)
 
 
-def load_moe(w: dict[str, torch.Tensor], router: str, experts: str, names: tuple[str, str, str],
+def load_moe(w: Weights, router: str, experts: str, names: tuple[str, str, str],
              moe: MoEConfig) -> SparseMoE:
-    """A SparseMoE from a checkpoint's per-expert weights, popped from `w`: the router's weight
+    """A SparseMoE from a checkpoint's per-expert weights (this rank's share of each expert's
+    intermediate size: TP-MoE), taken from `w`: the router's weight
     is named `router`, expert j's `{experts}{j}.{name}.weight` for the (gate, up, down) names
     (Qwen3-MoE: mlp.experts.j.gate_proj...; Mixtral: block_sparse_moe.experts.j.w1, w3, w2)."""
     gate, up, down = names
-    each = [[w.pop(f"{experts}{j}.{n}.weight") for n in (gate, up, down)]
-            for j in range(moe.num_experts)]
+    each = [[w.split_rows(f"{experts}{j}.{gate}.weight"), w.split_rows(f"{experts}{j}.{up}.weight"),
+             w.split_cols(f"{experts}{j}.{down}.weight")] for j in range(moe.num_experts)]
     gate_up = torch.stack([torch.cat([g, u]) for g, u, _ in each])  # [E, 2 * inter, hidden]
     return SparseMoE(w.pop(router), gate_up, torch.stack([d for _, _, d in each]), moe.top_k,
                      moe.renormalize)

@@ -5,15 +5,14 @@ for Qwen3-MoE (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`)."""
 
 from __future__ import annotations
 
-import torch
-
 from runtime.models.llama import LlamaModel
 from runtime.models.mlp import FeedForward
 from runtime.models.moe import SharedExpertMoE, load_qwen_moe
+from runtime.models.weights import Weights
 
 
 class Qwen2MoeModel(LlamaModel):
-    def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
+    def _mlp(self, w: Weights, i: int) -> FeedForward:
         moe = self.config.moe
         if moe is None or i not in moe.sparse_layers:
             return super()._mlp(w, i)

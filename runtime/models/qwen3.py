@@ -16,6 +16,7 @@ import torch
 from runtime.models.llama import LayerWeights, LlamaModel, rms_norm
 from runtime.models.mlp import FeedForward
 from runtime.models.moe import load_qwen_moe
+from runtime.models.weights import Weights
 
 
 @dataclass
@@ -25,13 +26,13 @@ class Qwen3LayerWeights(LayerWeights):
 
 
 class Qwen3Model(LlamaModel):
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _layer(self, w: Weights, i: int) -> LayerWeights:
         p = f"model.layers.{i}.self_attn."
         base = super()._layer(w, i)
         return Qwen3LayerWeights(**vars(base), q_norm=w.pop(f"{p}q_norm.weight"),
                                  k_norm=w.pop(f"{p}k_norm.weight"))
 
-    def _mlp(self, w: dict[str, torch.Tensor], i: int) -> FeedForward:
+    def _mlp(self, w: Weights, i: int) -> FeedForward:
         moe = self.config.moe
         if moe is None or i not in moe.sparse_layers:
             return super()._mlp(w, i)

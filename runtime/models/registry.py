@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from runtime.attention.base import AttentionBackend
     from runtime.forward_batch import ForwardBatch
+    from runtime.models.parallel import TensorParallel
 
 
 class CausalLM(Protocol):
@@ -31,6 +32,7 @@ class CausalLM(Protocol):
     row when None)."""
 
     config: ModelConfig
+    num_kv_heads: int  # the KV heads this rank holds (all of them without TP)
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -40,8 +42,9 @@ class CausalLM(Protocol):
                 logits_rows: torch.Tensor | None) -> torch.Tensor: ...
 
 
-# (config, checkpoint folder, dtype, device, matmuls through oneDNN) -> the loaded model
-ModelFactory = Callable[[ModelConfig, Path, "torch.dtype", str, bool], CausalLM]
+# (config, checkpoint folder, dtype, device, matmuls through oneDNN, this rank's part) -> the
+# loaded model
+ModelFactory = Callable[[ModelConfig, Path, "torch.dtype", str, bool, "TensorParallel"], CausalLM]
 
 
 def _llama() -> ModelFactory:
@@ -99,13 +102,19 @@ def family_of(architecture: str) -> Family:
         f"unsupported architecture {architecture!r}: baton runs {', '.join(supported())}")
 
 
-def check_architecture(model_path: Path) -> Family:
-    """The family that runs the checkpoint in `model_path` (UnsupportedArchitecture if none)."""
+def check_architecture(model_path: Path, tp: int = 1) -> Family:
+    """The family that runs the checkpoint in `model_path` (UnsupportedArchitecture if none),
+    split over `tp` ranks (TPConfigError if its head counts do not divide)."""
+    from runtime.models.parallel import TensorParallel
+
     raw: dict[str, Any] = json.loads((model_path / "config.json").read_text())
-    return family_of(ModelConfig.architecture_of(raw))
+    family = family_of(ModelConfig.architecture_of(raw))
+    TensorParallel(0, tp).check(ModelConfig.from_hf_dict(raw))
+    return family
 
 
 def build_model(config: ModelConfig, path: Path, dtype: torch.dtype, device: str,
-                onednn: bool) -> CausalLM:
-    """The model of `config.architecture`'s family with the checkpoint's weights loaded."""
-    return family_of(config.architecture).factory()(config, path, dtype, device, onednn)
+                onednn: bool, tp: TensorParallel) -> CausalLM:
+    """The model of `config.architecture`'s family with the checkpoint's weights loaded (this
+    rank's part of them under tensor parallelism)."""
+    return family_of(config.architecture).factory()(config, path, dtype, device, onednn, tp)

@@ -84,7 +84,7 @@ class WakePipe:
 
 class SchedulerLoop:
     def __init__(self, args: ServerArgs, recv: zmq.Socket[bytes], outbox: Outbox) -> None:
-        from runtime.engine.model_runner import ModelRunner
+        from runtime.scheduler.ranks import start_model
         from runtime.scheduler.scheduler import Scheduler
         from runtime.scheduler.streamer import OutputStreamer
         from runtime.tokenizer import load_tokenizer, tail_decoder
@@ -93,16 +93,19 @@ class SchedulerLoop:
         sched_cfg = args.scheduler
         # a decode server's prompt KV arrives by transfer: nothing to reuse unless asked for
         cache = args.engine.disable_prefix_cache
-        self.runner = ModelRunner(args.engine, sched_cfg.max_running_requests,
-                                  prefix_cache=not cache if cache is not None
-                                  else args.role != "decode", canary=args.canary)
+        # under --tp N the other ranks start with it (runtime/scheduler/ranks.py); one that
+        # dies ends this process, and with it the server
+        self.runner, self.ranks = start_model(
+            args.engine, sched_cfg.max_running_requests,
+            prefix_cache=not cache if cache is not None else args.role != "decode",
+            canary=args.canary, on_death=_end_now)
         if self.runner.kv.cache is not None:
             self.runner.kv.cache.events = []  # GET /kv_events follows them (_send_events)
         self.tokenizer = load_tokenizer(self.runner.model_path)
         self.streamer = OutputStreamer(sched_cfg.stream_interval, sched_cfg.forced_stream_interval)
         self.scheduler = Scheduler(
             sched_cfg, self.runner, decode_tail=tail_decoder(self.tokenizer), streamer=self.streamer,
-            canary=args.canary,
+            canary=args.canary, ranks=self.ranks,
         )
         self.args = args
         self.wakeup = WakePipe()
@@ -329,7 +332,17 @@ class SchedulerLoop:
         if self.plane is not None:
             self.plane.close()
         self.scheduler.shutdown()
+        if self.ranks is not None:
+            self.ranks.close()
         self.wakeup.close()
+
+
+def _end_now(message: str) -> None:
+    """A TP rank died: this rank cannot compute alone. The HTTP process sees the exit and
+    shuts down (/ready fails, the router retries elsewhere)."""
+    log.error("%s; exiting", message)
+    logging.shutdown()
+    os._exit(1)
 
 
 def run_scheduler_process(args: ServerArgs, in_addr: str, out_addr: str, parent_pid: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
+from runtime.scheduler.future import FutureMap
 from runtime.scheduler.req import Req
 
 
@@ -26,6 +27,20 @@ class Runner(Protocol):
     def vocab_size(self) -> int: ...
 
     def forward_batch(self, batch: ForwardBatch) -> ForwardOutput: ...
+
+
+def run_forward(runner: Runner, future_map: FutureMap, batch: ForwardBatch,
+                future_indices: torch.Tensor | None) -> ForwardOutput:
+    """One forward as the forward thread runs it (every TP rank alike): staged on the device,
+    its placeholder ids resolved from the future map and its sampled tokens stored back there
+    (overlap: `future_indices`, the slots it fills; None: its ids are all real)."""
+    batch = batch.to(runner.device)
+    if future_indices is None:
+        return runner.forward_batch(batch)
+    batch.input_ids = future_map.resolve_future(batch.input_ids)
+    out = runner.forward_batch(batch)
+    future_map.store(future_indices, out.next_token_ids)
+    return out
 
 
 @dataclass

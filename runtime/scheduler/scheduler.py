@@ -29,9 +29,10 @@ from runtime.scheduler.decode import DecodeManager
 from runtime.scheduler.future import FutureMap
 from runtime.scheduler.handoff import Handoffs
 from runtime.scheduler.prefill import PrefillAdder
+from runtime.scheduler.ranks import Ranks
 from runtime.scheduler.req import Req
 from runtime.scheduler.results import ResultProcessor
-from runtime.scheduler.runner import ForwardCount, Launched, Runner, StopCheck
+from runtime.scheduler.runner import ForwardCount, Launched, Runner, StopCheck, run_forward
 from runtime.scheduler.streamer import OutputStreamer
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,13 @@ class Scheduler:
         decode_tail: Callable[[list[int]], str] | None = None,
         streamer: OutputStreamer | None = None,
         canary: CanaryConfig | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
+        """`ranks`: under tensor parallelism, the follower ranks every forward goes to as it is
+        launched (runtime/scheduler/ranks.py); `runner` is rank 0's."""
         self.config = config
         self.runner = runner
+        self.ranks = ranks
         self.kv = runner.kv
         self.streamer = streamer or OutputStreamer(
             config.stream_interval, config.forced_stream_interval
@@ -195,26 +200,22 @@ class Scheduler:
         self.forwards.launched += 1
         future_indices = None
         if self.worker is None:
-            out = self.runner.forward_batch(fb)
+            if self.ranks is not None:
+                self.ranks.send(fb, None)
+            out = run_forward(self.runner, self.future_map, fb, None)
             batch.input_ids = out.on_host().next_token_ids  # the next step is built from it anyway
             result: Future[ForwardOutput] = Future()
             result.set_result(out)
         else:
             future_indices = self.future_map.alloc(fb.batch_size)
-            result = self.worker.submit(self._forward_in_worker, fb, future_indices)
+            if self.ranks is not None:
+                self.ranks.send(fb, future_indices)
+            result = self.worker.submit(run_forward, self.runner, self.future_map, fb, future_indices)
             # Placeholders: the next step's resolve_future swaps them for these tokens (or, if
             # the next step does not run them, process() does: FutureMap.settle).
             batch.input_ids = -future_indices
         return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result,
                         future_indices, [r.kv.length for r in batch.reqs])
-
-    def _forward_in_worker(self, fb: ForwardBatch, future_indices: torch.Tensor) -> ForwardOutput:
-        """Runs on the forward thread, strictly after the previous step's forward."""
-        fb = fb.to(self.runner.device)
-        fb.input_ids = self.future_map.resolve_future(fb.input_ids)
-        out = self.runner.forward_batch(fb)
-        self.future_map.store(future_indices, out.next_token_ids)
-        return out
 
     def process(self, done: Launched) -> list[Req]:
         """Wait for `done`'s forward (the step's one wait) and apply its results; returns the

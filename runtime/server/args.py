@@ -47,19 +47,20 @@ def _env_default(name: str, default: Any, tp: Any) -> Any:
 
 
 def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], tp: Any) -> None:
-    flag = "--" + f.name.replace("_", "-")
+    flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
     tp = _unwrap_optional(tp)
     default = _env_default(f.name, _default(f), tp)
     help_text = f"{f.metadata.get('help', '')} (default: {default})".strip()
     origin = typing.get_origin(tp)
     if tp is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
+                            help=help_text)
     elif origin is typing.Literal:
-        parser.add_argument(flag, choices=list(typing.get_args(tp)), default=default, help=help_text)
+        parser.add_argument(*flags, choices=list(typing.get_args(tp)), default=default, help=help_text)
     elif origin is tuple:
-        parser.add_argument(flag, action="append", default=None, help=help_text)
+        parser.add_argument(*flags, action="append", default=None, help=help_text)
     else:
-        parser.add_argument(flag, type=tp, default=default, help=help_text)
+        parser.add_argument(*flags, type=tp, default=default, help=help_text)
 
 
 def _sections() -> dict[str, type]:
@@ -103,7 +104,7 @@ def _check(args: ServerArgs) -> list[str]:
     problems = []
     for obj, names in (
         (args, ("port", "max_body_bytes")),
-        (args.engine, ("max_total_tokens", "page_size")),
+        (args.engine, ("max_total_tokens", "page_size", "tp")),
         (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
                           "forced_stream_interval")),
         (args.disagg, ("heartbeat_misses",)),
@@ -116,6 +117,11 @@ def _check(args: ServerArgs) -> list[str]:
     if fraction is not None and not args.engine.device.startswith("cuda"):
         problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
                         "(on the CPU, --max-total-tokens sets the pool)")
+    if args.engine.tp_timeout_s <= 0:
+        problems.append("--tp-timeout-s must be > 0")
+    if args.engine.tp > 1 and args.role != "colocated":
+        problems.append(f"--tp {args.engine.tp} with --role {args.role}: a prefill or decode server "
+                        "runs on one rank for now (tensor parallelism serves colocated)")
     if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0 or args.stall_timeout_s <= 0:
         problems.append("--request-timeout-s and --stall-timeout-s must be > 0 and "
                         "--shutdown-grace-s >= 0")

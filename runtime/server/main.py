@@ -25,6 +25,7 @@ from runtime.auth.key import load_cluster_key
 from runtime.auth.ticket import TicketGate
 from runtime.config import ServerArgs
 from runtime.lifecycle import make_ipc_dir
+from runtime.models.parallel import TPConfigError
 from runtime.models.registry import UnsupportedArchitecture, check_architecture
 from runtime.server.args import parse_server_args
 from runtime.server.drain import begin_drain
@@ -74,7 +75,8 @@ def _serve(args: ServerArgs, ipc_dir: str) -> int:
     from runtime.tokenizer import load_tokenizer
 
     model_path = resolve_model_path(args.model)
-    check_architecture(model_path)  # before anything starts: a clear error, the supported list
+    # before anything starts: a clear error (the supported list; the counts TP cannot split)
+    check_architecture(model_path, args.engine.tp)
     key = load_cluster_key(args.disagg.cluster_key_file)  # (the scheduler process reads its own)
     tm = TokenizerManager(args, None, ipc_dir, Metrics(), TicketGate(key, args.role))
     log.info("starting the scheduler process (model %s)", model_path)
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> int:
     ipc_dir = make_ipc_dir()
     try:
         return _serve(args, ipc_dir)
-    except UnsupportedArchitecture as e:
+    except (UnsupportedArchitecture, TPConfigError) as e:
         log.error("%s", e)
         return 2
     finally:

@@ -31,14 +31,22 @@ def write_family(name: str, dest: Path, tokenizer: Path, dtype: torch.dtype = to
     """FAMILIES[name] (with `overrides` of its config) with random weights (seed 0) in `dest`,
     with `tokenizer`'s vocabulary and files. MoE routers get a wide spread, so each token's
     experts are decisive picks."""
+    cls, extra = FAMILIES[name]
+    return write_checkpoint(cls, dest, tokenizer, dtype, **{**SHAPE, **extra, **overrides})
+
+
+def write_checkpoint(cls: str, dest: Path, tokenizer: Path, dtype: torch.dtype = torch.float32,
+                     **config: Any) -> Path:
+    """A random checkpoint (seed 0) of transformers' config class `cls` with `config`, and
+    `tokenizer`'s vocabulary (unless `config` sets vocab_size) and files, in `dest`."""
     import transformers
 
-    cls, extra = FAMILIES[name]
-    vocab = transformers.AutoConfig.from_pretrained(tokenizer).vocab_size
-    config = getattr(transformers, cls)(vocab_size=vocab, bos_token_id=1, eos_token_id=2,
-                                        **{**SHAPE, **extra, **overrides})
+    vocab = config.pop("vocab_size", None) or transformers.AutoConfig.from_pretrained(
+        tokenizer).vocab_size
+    hf_config = getattr(transformers, cls)(vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+                                           **config)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("gate.weight"):  # MoE routers: decisive picks
