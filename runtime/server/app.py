@@ -143,8 +143,8 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        """What this server runs: model, architecture, role, dtype, its KV pool's tokens, the
-        ranks its model is split over (tp)."""
+        """What this server runs (sglang's names): model, architecture, role, dtype and KV
+        cache dtype (one today), its KV pool's tokens, the ranks its model is split over."""
         info = tm.info
         if info is None:
             raise ApiError(503, "not ready", "service_unavailable", "not_ready")
@@ -153,7 +153,8 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
                 "context_len": info.context_len, "kv_capacity_tokens": info.kv_capacity_tokens,
                 "page_size": info.page_size, "max_running_requests": info.max_running_requests,
                 "prefix_cache": info.prefix_cache, "kv_transfer": info.kv_transfer,
-                "instance_id": info.instance_id, "tp": tm.args.engine.tp}
+                "instance_id": info.instance_id, "tp": tm.args.engine.tp,
+                "kv_cache_dtype": info.dtype, "max_total_tokens": info.kv_capacity_tokens}
 
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:

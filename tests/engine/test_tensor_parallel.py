@@ -24,9 +24,11 @@ from tests.models.checkpoints import SHAPE, write_checkpoint, write_family
 pytestmark = pytest.mark.timeout(300)
 
 # (checkpoint, ranks, engine options): what each case exercises is in its name
+LLAMA_8_2 = dict(SHAPE, hidden_size=128, num_attention_heads=8, num_key_value_heads=2)
 CASES: dict[str, tuple[str, dict[str, Any], int, dict[str, Any]]] = {
-    "llama-kv-copied-uneven-vocab-overlap": (
-        "LlamaConfig", dict(SHAPE, vocab_size=49155), 4, {"enable_overlap": True}),
+    "llama-8h-2kv-tp2": ("LlamaConfig", LLAMA_8_2, 2, {}),
+    "llama-8h-2kv-tp4-kv-copied-uneven-vocab-overlap": (
+        "LlamaConfig", dict(LLAMA_8_2, vocab_size=49155), 4, {"enable_overlap": True}),
     "qwen2-biases-untied": ("Qwen2Config", dict(SHAPE, tie_word_embeddings=False), 2, {}),
     "qwen3-moe-tp-moe": ("qwen3-moe", {}, 2, {}),
 }

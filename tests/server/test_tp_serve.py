@@ -5,6 +5,7 @@ cannot take is refused at start-up, before anything starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -33,6 +34,17 @@ def followers(server: ServerProcess) -> list[int]:
     sched = server.scheduler_pid()
     pids = Path(f"/proc/{sched}/task/{sched}/children").read_text().split()
     return [int(p) for p in pids if b"runtime.scheduler.ranks" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def streamed(url: str, body: dict[str, object]) -> list[int]:
+    """The output ids of /generate's SSE stream, chunk by chunk."""
+    ids: list[int] = []
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ids += json.loads(line[6:]).get("output_ids", [])
+    return ids
 
 
 def alive(pid: int) -> bool:
@@ -64,10 +76,11 @@ def test_serve_tp2_gives_hf_tokens_and_a_dead_rank_ends_the_server(qwen2: Path,
         ids = [AutoTokenizer.from_pretrained(qwen2).encode(p) for p in PROMPTS[:3]]
         refs = hf_greedy(qwen2, ids, 16)
         for prompt, ref in zip(ids, refs, strict=True):
-            out = httpx.post(f"{server.url}/generate", timeout=60, json={
-                "input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
+            body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+            out = httpx.post(f"{server.url}/generate", timeout=60, json=body)
             assert out.status_code == 200, out.text
             assert compare(out.json()["output_ids"], ref) is None
+            assert compare(streamed(server.url, body), ref) is None
         ranks = followers(server)
         assert len(ranks) == 1
         sched = server.scheduler_pid()
