@@ -44,6 +44,44 @@ class MoEConfig:
         )
 
 
+class UnsupportedQuantization(ValueError):
+    """A checkpoint quantized in a format baton cannot load."""
+
+
+@dataclass(frozen=True)
+class FP8Weights:
+    """A checkpoint whose matmul weights are float8_e4m3fn with float32 scales beside them
+    (runtime/models/fp8.py): per 128x128 block (`quant_method: fp8` with `weight_block_size`, the
+    DeepSeek-V3 / Qwen3-FP8 format: `X.weight_scale_inv`), or per tensor or output channel
+    (`fp8` without blocks, or compressed-tensors' float 8-bit weights: `X.weight_scale`)."""
+
+    block: tuple[int, int] | None  # None: per tensor or per channel, as each scale's shape says
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> FP8Weights | None:
+        """From config.json's `quantization_config` (None: not quantized); a format baton does
+        not load is refused, naming it."""
+        qc = raw.get("quantization_config")
+        if not qc:
+            return None
+        method = qc.get("quant_method")
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+            return cls(tuple(block) if block else None)  # type: ignore[arg-type]
+        if method == "compressed-tensors":
+            groups = (qc.get("config_groups") or {}).values()
+            weights = [g.get("weights") or {} for g in groups]
+            if weights and all(w.get("type") == "float" and w.get("num_bits") == 8
+                               and w.get("strategy") in ("tensor", "channel") for w in weights):
+                return cls(None)
+            raise UnsupportedQuantization(
+                "compressed-tensors checkpoint with weights other than float 8-bit per tensor or "
+                f"per channel ({weights}): baton loads fp8 only")
+        raise UnsupportedQuantization(
+            f"quantization {method!r}: baton loads fp8 checkpoints (quant_method fp8, block-wise "
+            "or per tensor, and compressed-tensors fp8)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the forward pass needs, read from an HF `config.json`."""
@@ -65,6 +103,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoEConfig | None = None
+    fp8: FP8Weights | None = None  # the checkpoint's matmul weights are fp8 (dequantized at load)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -107,6 +146,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             moe=MoEConfig.from_hf_dict(raw, int(raw["num_hidden_layers"])),
+            fp8=FP8Weights.from_hf_dict(raw),
         )
 
 

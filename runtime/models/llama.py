@@ -86,7 +86,7 @@ class LlamaModel:
         (h0, h1), (k0, k1) = tp.heads(c), tp.kv_heads(c)
         self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0  # this rank's
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
-        w = Weights(path, dtype, device, tp)
+        w = Weights(path, dtype, device, tp, config.fp8)  # (fp8 weights dequantized)
         self.vocab_rows = tp.vocab(c.vocab_size)
         self.embed = w.rows("model.embed_tokens.weight", *self.vocab_rows)  # [vocab part, hidden]
         tied = config.tie_word_embeddings or "lm_head.weight" not in w

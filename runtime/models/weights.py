@@ -1,6 +1,7 @@
 """A checkpoint's tensors as one rank takes them: each read from the safetensors files when the
 model asks for it, whole or as this rank's rows or columns (tensor parallelism: parallel.py),
-cast to the model's dtype and put on its device. A rank reads only its part of a split tensor."""
+cast to the model's dtype and put on its device. A rank reads only its part of a split tensor,
+except an fp8 weight, which is dequantized whole first (fp8.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from runtime.config import FP8Weights
+from runtime.models.fp8 import dequantize, scale_name
 from runtime.models.parallel import TensorParallel
 
 _MISSING: Any = object()
@@ -17,12 +20,13 @@ _MISSING: Any = object()
 
 class Weights:
     def __init__(self, path: Path, dtype: torch.dtype, device: str,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, fp8: FP8Weights | None = None) -> None:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         self.dtype, self.device = dtype, device
         self.tp = tp or TensorParallel()
+        self.fp8 = fp8
         self._files: dict[str, Any] = {}  # tensor name -> its open file
         for f in files:
             handle = safe_open(str(f), framework="pt", device="cpu")
@@ -61,5 +65,11 @@ class Weights:
             handle = self._files.pop(name)
         except KeyError:
             raise KeyError(f"the checkpoint has no tensor {name!r}") from None
-        part = handle.get_slice(name)[index]
+        scale = scale_name(name, self._files) if self.fp8 is not None else None
+        if scale is None:
+            part = handle.get_slice(name)[index]
+        else:
+            assert self.fp8 is not None
+            part = dequantize(handle.get_tensor(name), self._files.pop(scale).get_tensor(scale),
+                              self.fp8)[index]
         return part.to(device=self.device, dtype=self.dtype)

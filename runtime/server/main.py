@@ -23,7 +23,7 @@ import uvicorn
 from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
 from runtime.auth.ticket import TicketGate
-from runtime.config import ServerArgs
+from runtime.config import ServerArgs, UnsupportedQuantization
 from runtime.lifecycle import make_ipc_dir
 from runtime.models.parallel import TPConfigError
 from runtime.models.registry import UnsupportedArchitecture, check_architecture
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     ipc_dir = make_ipc_dir()
     try:
         return _serve(args, ipc_dir)
-    except (UnsupportedArchitecture, TPConfigError) as e:
+    except (UnsupportedArchitecture, UnsupportedQuantization, TPConfigError) as e:
         log.error("%s", e)
         return 2
     finally:
