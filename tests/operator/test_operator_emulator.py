@@ -132,11 +132,15 @@ def test_requests_cost_the_same_after_thousands(emulated: EmulatedCluster,
     flight, the thousandth GET costs what the first did."""
     cluster.create(isvc("x"))
 
-    def mean_get_seconds(n: int = 100) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            assert request(emulated, "GET", f"{ISVC}/x")[0] == 200
-        return (time.perf_counter() - start) / n
+    def mean_get_seconds(n: int = 40, rounds: int = 5) -> float:
+        """The best of `rounds` means: a busy machine slows some rounds, a scan slows all."""
+        means = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(n):
+                assert request(emulated, "GET", f"{ISVC}/x")[0] == 200
+            means.append((time.perf_counter() - start) / n)
+        return min(means)
 
     first = mean_get_seconds()
     for _ in range(1500):
