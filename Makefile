@@ -39,7 +39,7 @@ prometheus:
 	     prometheus >/dev/null 2>&1; } || echo "prometheus not installed: tests/monitoring/test_prometheus.py will skip"
 
 test: model lint prometheus
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 bench: model
 	$(PY) bench/throughput.py
