@@ -10,8 +10,11 @@ For each position (the token after it is known: teacher forcing) the gate compar
   agreement   the mode's top token equals float32's (the share of positions, %)
   |dlogprob|  |logprob of float32's top token under the mode - under float32|, mean and p99
 A mode passes when its agreement reaches its target (issue 38: int8 >= 98 %, int4 >= 95 %,
-fp8 KV >= 99 %, fp8 weights >= 97 %; bf16 has none: it is the reference point). Modes are
-EngineConfig dtypes today; the low-precision modes join this table as they land.
+fp8 KV >= 99 %, fp8 weights >= 97 %; bf16 has none: it is the reference point). Modes:
+EngineConfig dtypes (bfloat16, float16), and `int8` (--quantization int8) measured where it
+computes least exactly: every position as a one-row step through the int8 kernel (bf16
+activations); its prefill path (the same int8 weights dequantized, fp32 activations) is
+`int8-prefill`.
 Writes DIR/quality.json (default DIR: bench/results).
 """
 
@@ -33,7 +36,7 @@ TARGETS = {"int8": 98.0, "int4": 95.0, "fp8_kv": 99.0, "fp8": 97.0}  # agreement
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin:smollm2-135m")
-    p.add_argument("--modes", default="bfloat16", help="comma-separated: bfloat16, float16")
+    p.add_argument("--modes", default="bfloat16", help="comma-separated: bfloat16, float16, int8, int8-prefill")
     p.add_argument("--window", type=int, default=560, help="tokens per window (default 560)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=int, default=2)
@@ -69,14 +72,22 @@ def all_logits(runner: Any, ids: list[int], chunk: int) -> Any:
     return torch.cat(out)
 
 
-def run_mode(model: str, dtype: str, parts: list[list[int]], chunk: int) -> list[Any]:
+# mode -> (EngineConfig fields, prefill chunk: None for --chunk)
+MODES: dict[str, tuple[dict[str, Any], int | None]] = {
+    "int8": ({"dtype": "float32", "quantization": "int8", "int8_max_rows": 1}, 1),
+    "int8-prefill": ({"dtype": "float32", "quantization": "int8", "int8_max_rows": 0}, None),
+}
+
+
+def run_mode(model: str, mode: str, parts: list[list[int]], chunk: int) -> list[Any]:
     from runtime.config import EngineConfig
     from runtime.engine.model_runner import ModelRunner
 
+    fields, mode_chunk = MODES.get(mode, ({"dtype": mode}, None))
     longest = max(len(p) for p in parts)
-    config = EngineConfig(model=model, dtype=dtype, max_total_tokens=4 * longest)  # type: ignore[arg-type]
+    config = EngineConfig(model=model, max_total_tokens=4 * longest, **fields)
     runner = ModelRunner(config, 1)
-    return [all_logits(runner, p, chunk) for p in parts]
+    return [all_logits(runner, p, mode_chunk or chunk) for p in parts]
 
 
 def compare(ref: list[Any], got: list[Any]) -> dict[str, float]:
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for mode in filter(None, args.modes.split(",")):
         row: dict[str, Any] = compare(reference, run_mode(args.model, mode, parts, args.chunk))
-        target = TARGETS.get(mode)
+        target = TARGETS.get(mode.removesuffix("-prefill"))
         row["target_pct"] = target
         row["passes"] = None if target is None else row["agreement_pct"] >= target
         rows[mode] = row

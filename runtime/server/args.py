@@ -104,7 +104,7 @@ def _check(args: ServerArgs) -> list[str]:
     problems = []
     for obj, names in (
         (args, ("port", "max_body_bytes")),
-        (args.engine, ("max_total_tokens", "page_size", "tp")),
+        (args.engine, ("max_total_tokens", "page_size", "tp", "int8_max_rows")),
         (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
                           "forced_stream_interval")),
         (args.disagg, ("heartbeat_misses",)),
@@ -117,6 +117,9 @@ def _check(args: ServerArgs) -> list[str]:
     if fraction is not None and not args.engine.device.startswith("cuda"):
         problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
                         "(on the CPU, --max-total-tokens sets the pool)")
+    if args.engine.quantization != "none" and not args.engine.device.startswith("cpu"):
+        problems.append(f"--quantization {args.engine.quantization} is a CPU mode (on CUDA, load an "
+                        "fp8 checkpoint)")
     if args.engine.tp_timeout_s <= 0:
         problems.append("--tp-timeout-s must be > 0")
     if args.engine.tp > 1 and args.role != "colocated":

@@ -1,0 +1,87 @@
+"""Weight-only int8 (runtime/models/quantize.py): the rounding is per output channel, the int8
+kernel and the dequantized path compute with the same rounded weights, the rows of a step pick
+the path, and every matmul of a model is replaced (not the embedding or MoE experts). End to
+end: with the int8 kernel off, the engine equals HF on the same int8 weights dequantized to
+float32, token for token. (Its quality against fp32 is bench/quality.py's gate.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import Engine
+from runtime.models.linear import Linear
+from runtime.models.quantize import Int8Linear, quantize_int8
+from tests.engine.hf_reference import PROMPTS, compare, hf_greedy
+from tests.models.checkpoints import SHAPE, write_checkpoint, write_family
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_int8_kernel_and_the_dequantized_path_share_their_weights() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    lin = Int8Linear(w, bias, onednn=False, max_rows=4)
+    scale = w.abs().amax(1) / 127
+    assert torch.equal(lin.q, torch.round(w / scale[:, None]).to(torch.int8))
+    deq = lin.q.float() * scale[:, None]
+    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step, per channel
+    few, many = torch.randn(3, 64, generator=g), torch.randn(9, 64, generator=g)
+    assert torch.equal(lin(many), many @ deq.T + bias)  # above max_rows: the dequantized path
+    # up to max_rows: the int8 kernel, bf16 activations: close to the same weights, not equal
+    kernel = lin(few)
+    assert not torch.equal(kernel, few @ deq.T + bias)
+    torch.testing.assert_close(kernel, few @ deq.T + bias, rtol=2e-2, atol=0.1)  # |y| ~ 8
+    assert lin(few[None]).shape == (1, 3, 96)  # any leading shape
+
+
+@pytest.mark.parametrize(("family", "per_layer"), [("llama", 4), ("qwen3-moe", 2)])
+def test_every_matmul_is_replaced_and_nothing_else(family: str, per_layer: int, model_path: Path,
+                                                   tmp_path: Path) -> None:
+    path = (write_checkpoint("LlamaConfig", tmp_path / "m", model_path, **SHAPE)
+            if family == "llama" else write_family(family, tmp_path / "m", model_path))
+    engine = Engine(model=str(path), max_total_tokens=1024, quantization="int8")
+    try:
+        model = engine.runner.model
+        assert isinstance(model.lm_head, Int8Linear)  # type: ignore[attr-defined]
+        for layer in model.layers:  # type: ignore[attr-defined]
+            assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int8Linear)
+        assert not any(isinstance(v, Linear) for layer in model.layers  # type: ignore[attr-defined]
+                       for v in vars(layer).values())
+        # a MoE layer keeps its experts in full precision: 2 matmuls a layer, q/k/v and o
+        assert engine.runner.int8_matmuls == per_layer * len(model.layers) + 1  # type: ignore[attr-defined]
+        assert quantize_int8(model, 4) == 0  # nothing left to replace
+        assert isinstance(model.embed, torch.Tensor)  # type: ignore[attr-defined]
+    finally:
+        engine.shutdown()
+
+
+def test_the_dequantized_path_equals_hf_on_the_same_weights(model_path: Path,
+                                                           tmp_path: Path) -> None:
+    src = write_checkpoint("Qwen2Config", tmp_path / "src", model_path,
+                           **dict(SHAPE, tie_word_embeddings=False))
+    tensors = load_file(src / "model.safetensors")
+    for name, w in tensors.items():  # what quantize.py makes of each matmul weight
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            scale = w.abs().amax(1).clamp(min=1e-12) / 127
+            tensors[name] = torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+    (tmp_path / "deq").mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / "deq" / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    refs = hf_greedy(tmp_path / "deq", ids, 16)
+    engine = Engine(model=str(src), max_total_tokens=2048, quantization="int8", int8_max_rows=0)
+    try:
+        outs = engine.generate(ids, {"temperature": 0, "max_new_tokens": 16})
+    finally:
+        engine.shutdown()
+    for out, ref in zip(outs, refs, strict=True):
+        assert compare(out["output_ids"], ref) is None
