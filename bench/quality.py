@@ -11,10 +11,10 @@ For each position (the token after it is known: teacher forcing) the gate compar
   |dlogprob|  |logprob of float32's top token under the mode - under float32|, mean and p99
 A mode passes when its agreement reaches its target (issue 38: int8 >= 98 %, int4 >= 95 %,
 fp8 KV >= 99 %, fp8 weights >= 97 %; bf16 has none: it is the reference point). Modes:
-EngineConfig dtypes (bfloat16, float16), and `int8` (--quantization int8) measured where it
-computes least exactly: every position as a one-row step through the int8 kernel (bf16
-activations); its prefill path (the same int8 weights dequantized, fp32 activations) is
-`int8-prefill`.
+EngineConfig dtypes (bfloat16, float16), and `int8` / `int4` (--quantization) measured where
+they compute least exactly: every position as a one-row step through the quantized kernel (bf16
+activations); their prefill path (the same rounded weights dequantized, fp32 activations) is
+`int8-prefill` / `int4-prefill`.
 Writes DIR/quality.json (default DIR: bench/results).
 """
 
@@ -36,7 +36,7 @@ TARGETS = {"int8": 98.0, "int4": 95.0, "fp8_kv": 99.0, "fp8": 97.0}  # agreement
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin:smollm2-135m")
-    p.add_argument("--modes", default="bfloat16", help="comma-separated: bfloat16, float16, int8, int8-prefill")
+    p.add_argument("--modes", default="bfloat16", help="comma-separated: bfloat16, float16, int8, int8-prefill, int4, int4-prefill")
     p.add_argument("--window", type=int, default=560, help="tokens per window (default 560)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=int, default=2)
@@ -74,8 +74,10 @@ def all_logits(runner: Any, ids: list[int], chunk: int) -> Any:
 
 # mode -> (EngineConfig fields, prefill chunk: None for --chunk)
 MODES: dict[str, tuple[dict[str, Any], int | None]] = {
-    "int8": ({"dtype": "float32", "quantization": "int8", "int8_max_rows": 1}, 1),
-    "int8-prefill": ({"dtype": "float32", "quantization": "int8", "int8_max_rows": 0}, None),
+    "int8": ({"dtype": "float32", "quantization": "int8", "quant_max_rows": 1}, 1),
+    "int8-prefill": ({"dtype": "float32", "quantization": "int8", "quant_max_rows": 0}, None),
+    "int4": ({"dtype": "float32", "quantization": "int4", "quant_max_rows": 1}, 1),
+    "int4-prefill": ({"dtype": "float32", "quantization": "int4", "quant_max_rows": 0}, None),
 }
 
 

@@ -181,12 +181,13 @@ class EngineConfig:
         "free every KV page when its request ends instead of keeping it for reuse; default: "
         "the cache is on, except on a decode server (its KV arrives by transfer)"))
     num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
-    quantization: Literal["none", "int8"] = field(default="none", metadata=_help(
-        "CPU: int8 weight-only matmuls (per output channel), the int8 kernel for steps of up to "
-        "--int8-max-rows rows and the dequantized weights above (docs/performance.md)"))
-    int8_max_rows: int = field(default=4, metadata=_help(
-        "with --quantization int8: the most rows a step may have to take the int8 kernel "
-        "(it beats fp32 only for a few rows: the crossover measured on this machine)"))
+    quantization: Literal["none", "int8", "int4"] = field(default="none", metadata=_help(
+        "CPU: weight-only matmuls, int8 per output channel or int4 per group of 32; the quantized "
+        "kernel for steps of up to --quant-max-rows rows, the dequantized weights above "
+        "(runtime/models/quantize.py, docs/performance.md)"))
+    quant_max_rows: int = field(default=4, metadata=_help(
+        "with --quantization: the most rows a step may have to take the quantized kernel (it "
+        "beats fp32 only for a few rows: the crossover measured on this machine)"))
     tp: int = field(default=1, metadata={**_help(
         "tensor parallelism: split the model over this many ranks, one process each (one GPU "
         "each where there are enough; docs/tensor-parallel.md)"), "aliases": ("--tensor-parallel-size",)})

@@ -32,7 +32,7 @@ from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
 from runtime.models.parallel import TensorParallel
-from runtime.models.quantize import quantize_int8
+from runtime.models.quantize import quantize
 from runtime.models.registry import build_model
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,14 @@ class ModelRunner:
             self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn, tp)
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
-        self.int8_matmuls = 0
-        if config.quantization == "int8":
+        self.quantized_matmuls = 0
+        if config.quantization != "none":
             if self.device.type != "cpu":
-                raise ValueError("--quantization int8 is a CPU mode (on CUDA, load an fp8 checkpoint)")
-            self.int8_matmuls = quantize_int8(self.model, config.int8_max_rows)
-            log.info("int8 weight-only: %d matmuls (the int8 kernel up to %d rows a step)",
-                     self.int8_matmuls, config.int8_max_rows)
+                raise ValueError(f"--quantization {config.quantization} is a CPU mode (on CUDA, "
+                                 "load an fp8 checkpoint)")
+            self.quantized_matmuls = quantize(self.model, config.quantization, config.quant_max_rows)
+            log.info("%s weight-only: %d matmuls (the quantized kernel up to %d rows a step)",
+                     config.quantization, self.quantized_matmuls, config.quant_max_rows)
         if prefix_cache is None:
             prefix_cache = not config.disable_prefix_cache
         self.pool, self.kv = self._kv_cache(max_running_requests, prefix_cache)

@@ -1,13 +1,14 @@
-"""Weight-only int8 for the CPU (`--quantization int8`): every matmul weight of the model (q/k/v,
-o, gate/up, down, the lm_head; not the embedding, norms or MoE experts) rounded to int8 per
-output channel (symmetric: scale = max |w| / 127), once, after loading.
+"""Weight-only int8 and int4 for the CPU (`--quantization int8|int4`): every matmul weight of the
+model (q/k/v, o, gate/up, down, the lm_head; not the embedding, norms or MoE experts) rounded
+once, after loading: int8 per output channel (symmetric), int4 per group of 32 inputs
+(asymmetric, GGUF Q4_1's grid).
 
-A step's rows decide the kernel (`Int8Linear`): up to `max_rows` rows (decode-sized steps) go
-through torch's int8 weight-only GEMM (`torch._weight_int8pack_mm`, bf16 activations: it reads a
-quarter of fp32's bytes, which is what a decode step waits for); more rows (prefill) go through
-the same int8 weights dequantized to the model's dtype, at the speed of an fp32 matmul. So no
-step is slower than fp32, and both paths compute with the same rounded weights; the cost is
-memory (the int8 copy beside the dequantized one: 1.25x fp32's). bench/quality.py holds each
+A step's rows decide the kernel (`WeightOnlyLinear`): up to `max_rows` rows (decode-sized
+steps) go through torch's weight-only GEMMs (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`,
+bf16 activations: they read a quarter or an eighth of fp32's bytes, which is what a decode step
+waits for); more rows (prefill) go through the same rounded weights dequantized to the model's
+dtype, at an fp32 matmul's speed. So no step is slower than fp32, and both paths compute with
+the same rounded weights; the cost is memory (the quantized copy beside the dequantized one). bench/quality.py holds each
 mode to its agreement gate; docs/performance.md has the numbers and the crossover measured here.
 """
 
@@ -21,28 +22,73 @@ import torch
 from runtime.models.linear import Linear
 
 
-class Int8Linear:
-    """y = x @ (q * scale).T + bias, q int8 [out, in], scale [out]."""
+class WeightOnlyLinear:
+    """y = x @ dequantized.T + bias: through the quantized kernel (bf16 activations) for steps
+    of up to `max_rows` rows, through the dequantized weights above."""
+
+    def __init__(self, dequantized: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+                 max_rows: int) -> None:
+        self.out_features, self.in_features = dequantized.shape
+        self.dequantized = Linear(dequantized, bias, onednn)
+        self.bias, self.max_rows = bias, max_rows
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] bf16 -> [rows, out] bf16 through the quantized weights."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows:
+            return self.dequantized(x)
+        y = self.kernel(x.reshape(rows, self.in_features).to(torch.bfloat16)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(WeightOnlyLinear):
+    """Symmetric int8 per output channel: w = q * scale, q in [-127, 127], scale = max|w| / 127."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
                  max_rows: int) -> None:
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.scale = scale.to(torch.bfloat16)  # what the int8 kernel takes with bf16 activations
-        self.dequantized = Linear((self.q.float() * scale[:, None]).to(weight.dtype), bias, onednn)
-        self.out_features, self.in_features = self.q.shape
-        self.bias, self.max_rows = bias, max_rows
+        self.scale = scale.to(torch.bfloat16)  # what the kernel takes with bf16 activations
+        super().__init__((self.q.float() * scale[:, None]).to(weight.dtype), bias, onednn, max_rows)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > self.max_rows:
-            return self.dequantized(x)
-        flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(flat, self.q, self.scale).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scale)
+
+
+class Int4Linear(WeightOnlyLinear):
+    """Asymmetric int4 per group of `GROUP` inputs: w = (q - 8) * scale + zero, q in [0, 15],
+    the group's min and max on the grid's ends (GGUF Q4_1's grid: d * q + m, with zero = m + 8d);
+    scale and zero in bf16, as torch's int4 kernel takes them, for both paths."""
+
+    GROUP = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+                 max_rows: int) -> None:
+        out, k = weight.shape
+        if k % self.GROUP:
+            raise ValueError(f"int4 needs input sizes divisible by {self.GROUP}, got {k}")
+        g = weight.float().view(out, k // self.GROUP, self.GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, k).int(), 1)
+        self.scales_zeros = torch.stack([scale.T, zero.T], -1).to(torch.bfloat16)  # [k/G, out, 2]
+        deq = ((q - 8) * scale[..., None] + zero[..., None]).view(out, k)
+        super().__init__(deq.to(weight.dtype), bias, onednn, max_rows)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP,
+                                                          self.scales_zeros)
+
+
+KINDS: dict[str, type[WeightOnlyLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
@@ -50,10 +96,11 @@ def dense_weight(linear: Linear) -> torch.Tensor:
     return linear.weight.to_dense() if linear.onednn else linear.weight
 
 
-def quantize_int8(model: Any, max_rows: int) -> int:
+def quantize(model: Any, kind: str, max_rows: int) -> int:
     """Replace every Linear reachable from `model` (its attributes, layer lists and the
-    dataclasses and runtime.models objects they hold) by an Int8Linear; returns how many."""
-    done = 0
+    dataclasses and runtime.models objects they hold) by a `kind` (int8, int4) weight-only one;
+    returns how many."""
+    cls, done = KINDS[kind], 0
 
     def visit(obj: Any) -> None:
         nonlocal done
@@ -61,7 +108,7 @@ def quantize_int8(model: Any, max_rows: int) -> int:
         for name in names:
             value = getattr(obj, name)
             if isinstance(value, Linear):
-                setattr(obj, name, Int8Linear(dense_weight(value), value.bias, value.onednn, max_rows))
+                setattr(obj, name, cls(dense_weight(value), value.bias, value.onednn, max_rows))
                 done += 1
             elif isinstance(value, list):
                 for item in value:
@@ -79,4 +126,4 @@ def _ours(obj: Any) -> bool:
     quantized already."""
     module = type(obj).__module__
     return module.startswith("runtime.models.") and hasattr(obj, "__dict__") \
-        and not isinstance(obj, (torch.Tensor, Int8Linear))
+        and not isinstance(obj, (torch.Tensor, WeightOnlyLinear))

@@ -104,7 +104,7 @@ def _check(args: ServerArgs) -> list[str]:
     problems = []
     for obj, names in (
         (args, ("port", "max_body_bytes")),
-        (args.engine, ("max_total_tokens", "page_size", "tp", "int8_max_rows")),
+        (args.engine, ("max_total_tokens", "page_size", "tp", "quant_max_rows")),
         (args.scheduler, ("max_running_requests", "chunked_prefill_size", "stream_interval",
                           "forced_stream_interval")),
         (args.disagg, ("heartbeat_misses",)),

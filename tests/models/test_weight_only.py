@@ -1,8 +1,9 @@
-"""Weight-only int8 (runtime/models/quantize.py): the rounding is per output channel, the int8
-kernel and the dequantized path compute with the same rounded weights, the rows of a step pick
-the path, and every matmul of a model is replaced (not the embedding or MoE experts). End to
-end: with the int8 kernel off, the engine equals HF on the same int8 weights dequantized to
-float32, token for token. (Its quality against fp32 is bench/quality.py's gate.)"""
+"""Weight-only int8 and int4 (runtime/models/quantize.py): the rounding (int8 per output channel,
+int4 per group of 32 on GGUF Q4_1's grid, which it keeps exactly), the quantized kernel and the
+dequantized path computing with the same rounded weights, the rows of a step picking the path,
+and every matmul of a model replaced (not the embedding or MoE experts). End to end: with the
+kernel off, the engine equals HF on the same rounded weights dequantized to float32, token for
+token. (Their quality against fp32 is bench/quality.py's gate.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import Engine
 from runtime.models.linear import Linear
-from runtime.models.quantize import Int8Linear, quantize_int8
+from runtime.models.quantize import Int4Linear, Int8Linear, quantize
 from tests.engine.hf_reference import PROMPTS, compare, hf_greedy
 from tests.models.checkpoints import SHAPE, write_checkpoint, write_family
 
@@ -38,6 +39,27 @@ def test_the_int8_kernel_and_the_dequantized_path_share_their_weights() -> None:
     assert lin(few[None]).shape == (1, 3, 96)  # any leading shape
 
 
+def test_int4_keeps_a_q4_1_grid_and_its_kernel_shares_the_weights() -> None:
+    """Weights already on a Q4_1 grid (d * q + m per group of 32, each group using q = 0 and
+    15, d and m exact in bf16) come back exactly: the builtin model's GGUF blocks lose nothing."""
+    g = torch.Generator().manual_seed(1)
+    out, k = 64, 96
+    q = torch.randint(0, 16, (out, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out, k // 32, 1, generator=g) * 0.01 + 0.001).bfloat16().float()
+    m = (torch.randn(out, k // 32, 1, generator=g) * 0.01).bfloat16().float()
+    w = (d * q + m).view(out, k)
+    lin = Int4Linear(w, None, onednn=False, max_rows=2)
+    deq = lin.dequantized.weight
+    # exact but for zero = m + 8d rounded to bf16 (a shift of at most half a bf16 ulp of it)
+    assert (deq - w).abs().max() <= (m.abs() + 8 * d).max() * 2**-8
+    few, many = torch.randn(2, k, generator=g), torch.randn(5, k, generator=g)
+    assert torch.equal(lin(many), many @ deq.T)
+    torch.testing.assert_close(lin(few), few @ deq.T, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.randn(8, 40), None, onednn=False, max_rows=2)
+
+
 @pytest.mark.parametrize(("family", "per_layer"), [("llama", 4), ("qwen3-moe", 2)])
 def test_every_matmul_is_replaced_and_nothing_else(family: str, per_layer: int, model_path: Path,
                                                    tmp_path: Path) -> None:
@@ -52,22 +74,36 @@ def test_every_matmul_is_replaced_and_nothing_else(family: str, per_layer: int, 
         assert not any(isinstance(v, Linear) for layer in model.layers  # type: ignore[attr-defined]
                        for v in vars(layer).values())
         # a MoE layer keeps its experts in full precision: 2 matmuls a layer, q/k/v and o
-        assert engine.runner.int8_matmuls == per_layer * len(model.layers) + 1  # type: ignore[attr-defined]
-        assert quantize_int8(model, 4) == 0  # nothing left to replace
+        assert engine.runner.quantized_matmuls == per_layer * len(model.layers) + 1  # type: ignore[attr-defined]
+        assert quantize(model, "int8", 4) == 0  # nothing left to replace
         assert isinstance(model.embed, torch.Tensor)  # type: ignore[attr-defined]
     finally:
         engine.shutdown()
 
 
-def test_the_dequantized_path_equals_hf_on_the_same_weights(model_path: Path,
+def _int8(w: torch.Tensor) -> torch.Tensor:
+    scale = w.abs().amax(1).clamp(min=1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+
+
+def _int4(w: torch.Tensor) -> torch.Tensor:
+    g = w.view(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).bfloat16().float()
+    zero = (lo + 8 * scale).bfloat16().float()
+    q = torch.round((g - zero) / scale + 8).clamp(0, 15)
+    return ((q - 8) * scale + zero).view(w.shape)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_dequantized_path_equals_hf_on_the_same_weights(kind: str, model_path: Path,
                                                            tmp_path: Path) -> None:
     src = write_checkpoint("Qwen2Config", tmp_path / "src", model_path,
                            **dict(SHAPE, tie_word_embeddings=False))
     tensors = load_file(src / "model.safetensors")
     for name, w in tensors.items():  # what quantize.py makes of each matmul weight
         if name.endswith("_proj.weight") or name == "lm_head.weight":
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127
-            tensors[name] = torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+            tensors[name] = (_int8 if kind == "int8" else _int4)(w)
     (tmp_path / "deq").mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -78,7 +114,7 @@ def test_the_dequantized_path_equals_hf_on_the_same_weights(model_path: Path,
     tok = AutoTokenizer.from_pretrained(src)
     ids = [tok.encode(p) for p in PROMPTS[:3]]
     refs = hf_greedy(tmp_path / "deq", ids, 16)
-    engine = Engine(model=str(src), max_total_tokens=2048, quantization="int8", int8_max_rows=0)
+    engine = Engine(model=str(src), max_total_tokens=2048, quantization=kind, quant_max_rows=0)
     try:
         outs = engine.generate(ids, {"temperature": 0, "max_new_tokens": 16})
     finally:
