@@ -55,7 +55,7 @@ def instrument() -> None:
     for owner, attr in [
         (scheduler.Scheduler, "step"), (scheduler.Scheduler, "schedule"),
         (scheduler.Scheduler, "launch"), (scheduler.Scheduler, "process"),
-        (scheduler.Scheduler, "_forward_in_worker"), (results.ResultProcessor, "process"),
+        (results.ResultProcessor, "process"),
         (streamer.OutputStreamer, "emit"), (ForwardBatch, "to"), (ForwardOutput, "on_host"),
         (ForwardOutput, "start_host_copy"), (future.FutureMap, "resolve_future"),
         (future.FutureMap, "store"), (model_runner.ModelRunner, "forward_batch"),
@@ -63,6 +63,8 @@ def instrument() -> None:
         (sampler.TorchSampler, "sample"),
     ]:
         setattr(owner, attr, timed(f"{owner.__name__}.{attr}", getattr(owner, attr)))
+    # the forward thread's whole forward (the scheduler calls it by this module-level name)
+    scheduler.run_forward = timed("run_forward", scheduler.run_forward)  # type: ignore[assignment]
     # inside ForwardBatch.to: packing on the host, and the whole of it (pinned buffer, copy)
     for attr in ("_pack", "_unpack"):
         setattr(device, attr, timed(f"device.{attr}", getattr(device, attr)))
