@@ -94,18 +94,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        raw = {**_HF_DEFAULTS.get(str(raw.get("model_type")), {}), **raw}
         arch = cls.architecture_of(raw)  # which family runs it: runtime/models/registry.py
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         num_layers = int(raw["num_hidden_layers"])
-        # transformers >= 5 writes rope settings under `rope_parameters`, per layer type where
-        # the types differ (Gemma 3: {"full_attention": ..., "sliding_attention": ...})
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        local = rope.pop("sliding_attention", None)
-        rope_theta, rope_scaling = _rope(rope.pop("full_attention", None) or rope, raw.get("rope_theta"))
-        if local is None and "rope_local_base_freq" in raw:  # Gemma 3 before transformers 5
-            local = {"rope_theta": raw["rope_local_base_freq"]}
-        local_theta, local_scaling = _rope(local, None) if local else (None, None)
+        (rope_theta, rope_scaling), (local_theta, local_scaling) = _ropes(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -137,11 +131,36 @@ class ModelConfig:
         )
 
 
-def _rope(params: dict[str, Any], theta: Any) -> tuple[float, dict[str, Any] | None]:
-    """(base, scaling) of one RoPE's parameters (scaling None: plain RoPE); `theta`, where the
-    config gives it apart, wins over theirs."""
+# What HF's config class assumes of a field a config.json leaves out, where it is not the
+# default read below, by model_type (RoPE bases: _ROPE_THETA)
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": 4096, "tie_word_embeddings": True},
+}
+# RoPE bases where a config names none, by model_type: (global, sliding layers), HF's defaults
+_ROPE_THETA: dict[str, tuple[float, float | None]] = {"gemma3_text": (1_000_000.0, 10_000.0)}
+Rope = tuple[float, dict[str, Any] | None]  # (base, scaling); scaling None: plain RoPE
+
+
+def _ropes(raw: dict[str, Any]) -> tuple[Rope, tuple[float | None, dict[str, Any] | None]]:
+    """The RoPE of the global layers, and of the sliding-window layers where theirs differs
+    ((None, None) where not). transformers >= 5 writes them under `rope_parameters`, per layer
+    type where the types differ (Gemma 3: {"full_attention": ..., "sliding_attention": ...});
+    before it, `rope_theta`, `rope_scaling` and Gemma 3's `rope_local_base_freq`."""
+    theta, local_theta = _ROPE_THETA.get(str(raw.get("model_type")), (10000.0, None))
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    local = rope.pop("sliding_attention", None)
+    full = _rope(rope.pop("full_attention", None) or rope, raw.get("rope_theta"), theta)
+    if local is None and (local_theta or "rope_local_base_freq" in raw):
+        local = {"rope_theta": raw.get("rope_local_base_freq", local_theta)}
+    return full, _rope(local, None, 10000.0) if local else (None, None)
+
+
+def _rope(params: dict[str, Any], theta: Any, default: float) -> Rope:
+    """(base, scaling) of one RoPE's parameters; `theta`, where the config gives it apart, wins
+    over theirs, and `default` where neither names one."""
     rope = dict(params)
-    base = float(theta or rope.pop("rope_theta", 10000.0))
+    base = float(theta or rope.pop("rope_theta", default))
     kind = rope.get("rope_type", rope.get("type", "default"))
     return base, None if kind == "default" else rope
 
