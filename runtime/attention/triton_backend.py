@@ -10,9 +10,11 @@ tokens' K/V are written to the pool first, so every key is read from the pool).
 Softmax runs online in float32; with a float32 pool the dot products use IEEE float32 (no TF32),
 so greedy output can be held token-exact against HF in float32.
 A layer with a sliding window W (SLIDING, a compile-time switch: each kind of layer has its own
-kernel) starts its loop at the first key in any of its queries' windows and hides, per query,
-the keys at or before its position - W; a block can then hide every key of a row (a later
-query of an extend program), which the online softmax takes as a block of zeros.
+kernel) starts its loop at the first key of its first query's window and hides, per query, the
+keys at or before its position - W. Each query's first key then lies within BLOCK_M - 1 keys of
+the loop's start, so inside the first block (BLOCK_M <= every BLOCK_N): no query meets a block
+where it sees nothing before one where it sees something, which the online softmax, as written,
+could not take (-inf - -inf).
 
 CUDA only in production; under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly),
 which is how the CPU machines test them (tests/attention/test_triton_kernels.py).
@@ -41,6 +43,7 @@ BLOCK_M = 32  # extend: query tokens per program
 # float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
 # thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
 BLOCK_N_IEEE = 32
+assert BLOCK_M <= min(BLOCK_N, BLOCK_N_IEEE)  # sliding windows: see the module's docstring
 # the largest head the kernels take: at 256 (Gemma) ptxas spills the float32 decode and every
 # extend kernel (tests/attention/test_triton_compile.py); `auto` then falls back to torch
 MAX_HEAD_DIM = 128
@@ -71,9 +74,8 @@ if triton is not None:
         s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [rows, keys]
         s = tl.where(sees, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # 0 in a row that saw no key yet
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
         v = tl.load(V + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         return m_new, l_i * alpha + tl.sum(p, 1), acc
@@ -149,14 +151,13 @@ if triton is not None:
                 n = start + tl.arange(0, BLOCK)
                 valid = n < kv_len
                 sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])  # causal
-                if SLIDING:
-                    sees = sees & (n[None, :] > (prefix + mq)[:, None] - window)
+                if SLIDING:  # (padding rows take the last query's window: never stored)
+                    last = prefix + tl.minimum(mq, ext_len - 1)
+                    sees = sees & (n[None, :] > last[:, None] - window)
                 m_i, l_i, acc = _attend(
                     q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc, scale,
                     stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
                 )
-            if SLIDING:  # a padding row past the last query may see no key (never stored)
-                l_i = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_i[:, None]
             tl.store(Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=rows)
