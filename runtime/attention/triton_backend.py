@@ -43,7 +43,7 @@ BLOCK_M = 32  # extend: query tokens per program
 # float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
 # thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
 BLOCK_N_IEEE = 32
-assert BLOCK_M <= min(BLOCK_N, BLOCK_N_IEEE)  # sliding windows: see the module's docstring
+assert min(BLOCK_N, BLOCK_N_IEEE) >= BLOCK_M  # sliding windows: see the module's docstring
 # the largest head the kernels take: at 256 (Gemma) ptxas spills the float32 decode and every
 # extend kernel (tests/attention/test_triton_compile.py); `auto` then falls back to torch
 MAX_HEAD_DIM = 128
