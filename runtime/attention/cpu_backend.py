@@ -3,11 +3,14 @@
 Decode is where the torch backend spends its attention time copying every request's pages into a
 padded block before SDPA; csrc/paged_decode.cpp walks each request's slots directly instead
 (native.py builds it). Extend (prefill) is unchanged: one SDPA per request.
+A layer with a sliding window runs the same kernel over the window alone: per request, the row
+table from the window's first position and the window's length (built once per step for each
+window, as the full table is), so the kernel itself knows nothing of windows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,13 +27,15 @@ MAX_GROUP = 16  # query heads per kv head
 
 class CpuAttention(TorchAttention):
     def __init__(
-        self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, op: Callable[..., None]
+        self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, op: Callable[..., None],
+        windows: Sequence[int | None] = (),
     ) -> None:
-        super().__init__(pool, req_to_token, scale)
+        super().__init__(pool, req_to_token, scale, windows)
         self.op = op
 
     @classmethod
-    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> CpuAttention:
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+               windows: Sequence[int | None] = ()) -> CpuAttention:
         if pool.device.type != "cpu" or pool.dtype != torch.float32:
             raise BackendUnavailable(
                 f"cpu attention needs a float32 CPU pool, not {pool.dtype} on {pool.device}"
@@ -40,7 +45,7 @@ class CpuAttention(TorchAttention):
         op = load_paged_decode()
         if op is None:
             raise BackendUnavailable("cpu attention: the native kernel could not be built here")
-        return cls(pool, req_to_token, scale, op)
+        return cls(pool, req_to_token, scale, op, windows)
 
     def begin(self, batch: ForwardBatch) -> None:
         if batch.mode != "decode":
@@ -52,6 +57,11 @@ class CpuAttention(TorchAttention):
         # [B, max_len] slot of every position of every request (rows are contiguous copies)
         self.slot_table = self.req_to_token.table[batch.req_pool_indices, : max(batch.seq_lens)]
         self.row_table = self.pool.row_offsets(self.slot_table)  # [B, max_len], every layer
+        # per window (None: none), what the kernel reads: the rows and their lengths
+        self.tables: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {
+            None: (self.row_table, self.seq_lens)}
+        for w in self.sliding_windows():
+            self.tables[w] = window_rows(self.row_table, self.seq_lens, w)
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
@@ -62,5 +72,15 @@ class CpuAttention(TorchAttention):
             return super()._decode(layer, q)
         out = torch.empty_like(q)  # [B, H, D]
         k_pages, v_pages = self.pool.pages(layer)
-        self.op(q.contiguous(), k_pages, v_pages, self.row_table, self.seq_lens, self.scale, out)
+        rows, lens = self.tables[self.window(layer)]
+        self.op(q.contiguous(), k_pages, v_pages, rows, lens, self.scale, out)
         return out.view(b, h * d)
+
+
+def window_rows(rows: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row table [B, min(window, L)] and lengths [B] of each request's last `window`
+    positions, from its full table rows [B, L] and lengths [B] (past a request's length: stale
+    rows, never read)."""
+    start = (lens - window).clamp(min=0)  # [B] the window's first position
+    at = start[:, None] + torch.arange(min(window, rows.shape[1]), device=rows.device)[None, :]
+    return rows.gather(1, at.clamp(max=rows.shape[1] - 1)), lens - start

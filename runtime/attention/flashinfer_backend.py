@@ -12,6 +12,8 @@ The new tokens' K/V are written to the pool first, as in the other backends; pre
 over each request's cached prefix and its new tokens.
 
 flashinfer has no float32 kernels: a float32 pool is BackendUnavailable (use triton or bf16).
+Nor is its sliding window (`window_left`, a plan() argument) wired here: a model with
+sliding-window layers (Gemma 3) is BackendUnavailable too (use triton or torch).
 
 Decode graphs: plan() is host work, which a replay does not redo, so each captured batch size
 gets a decode wrapper in flashinfer's CUDA-graph mode, whose page table lives in fixed device
@@ -21,6 +23,7 @@ plan_graph() outside the graph, before the capture and before every replay, whic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,7 +68,13 @@ class FlashInferAttention(AttentionBackend):
     cuda_graph_safe = True  # through plan_graph(): see the module's docstring
 
     @classmethod
-    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> FlashInferAttention:
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+               windows: Sequence[int | None] = ()) -> FlashInferAttention:
+        if any(w is not None for w in windows):
+            raise BackendUnavailable(
+                "flashinfer attention: sliding-window layers are not wired to flashinfer here: "
+                "use --attention-backend triton (head_dim up to 128) or torch"
+            )
         try:
             import flashinfer
         except ImportError:

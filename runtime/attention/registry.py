@@ -4,13 +4,14 @@ Registered: "torch" (plain torch, any device), "cpu" (torch plus a native decode
 on CPU), "triton" (paged Triton kernels, CUDA; on CPU only under TRITON_INTERPRET=1, for tests),
 "flashinfer" (CUDA, float16/bfloat16). "auto" (the default) picks "cpu" for a CPU pool and
 "triton" for a CUDA pool when each can be used there, else "torch". A factory is "module:callable" taking
-(pool, req_to_token, scale), so CUDA-only modules are never imported on the CPU path.
+(pool, req_to_token, scale, windows), so CUDA-only modules are never imported on the CPU path.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 
 from runtime.attention.base import AttentionBackend, BackendUnavailable
 from runtime.kvcache.pool import KVPool
@@ -33,29 +34,32 @@ def register_attention_backend(name: str, factory_path: str) -> None:
 
 
 def create_attention_backend(
-    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
+    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+    windows: Sequence[int | None] = (),
 ) -> AttentionBackend:
+    """`windows`: each layer's sliding window (AttentionBackend.__init__)."""
     if name == "auto":
         preferred = _AUTO.get(pool.device.type)
         if preferred is not None:
             try:
-                return _create(preferred, pool, req_to_token, scale)
+                return _create(preferred, pool, req_to_token, scale, windows)
             except BackendUnavailable as e:
                 log.info("attention: %s; using 'torch'", e)
-        return _create("torch", pool, req_to_token, scale)
+        return _create("torch", pool, req_to_token, scale, windows)
     if name not in _REGISTRY:
         known = sorted([*_REGISTRY, "auto"])
         raise ValueError(f"unknown attention backend {name!r}; known: {known}")
-    return _create(name, pool, req_to_token, scale)
+    return _create(name, pool, req_to_token, scale, windows)
 
 
 def _create(
-    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float
+    name: str, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+    windows: Sequence[int | None],
 ) -> AttentionBackend:
     module, _, attr = _REGISTRY[name].partition(":")
     factory: object = importlib.import_module(module)
     for part in attr.split("."):
         factory = getattr(factory, part)
-    backend = factory(pool, req_to_token, scale)  # type: ignore[operator]
+    backend = factory(pool, req_to_token, scale, windows)  # type: ignore[operator]
     assert isinstance(backend, AttentionBackend)
     return backend

@@ -3,6 +3,8 @@
 Decode: one gather of every request's K/V pages into a padded [B, L] block (whole pages, so the
 copy moves blocks rather than rows) and one SDPA call per layer.
 Extend: one SDPA per request; a request with no cached prefix attends to its fresh K/V directly.
+A layer with a sliding window is the same call under a mask that hides what lies before its
+window (a windowed extend reads from the pool only the keys its first query can see).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ class TorchAttention(AttentionBackend):
             # [B * P] page of every page-start position; past a request's end: stale, masked
             self.page_ids = (self.slot_table[:, ::ps] // ps).reshape(-1)
             padded = self.slot_table[:, ::ps].shape[1] * ps
-            positions = torch.arange(padded, device=self.pool.device)
-            valid = positions[None, :] < batch.seq_lens_t[:, None]  # [B, P * ps]
-            # [B, 1, 1, P * ps] boolean mask: True = may attend
-            self.decode_mask = valid[:, None, None, :]
-            self.uniform = all(n == padded for n in batch.seq_lens)  # no mask needed
+            positions = torch.arange(padded, device=self.pool.device)[None, :]
+            lens = batch.seq_lens_t[:, None]
+            uniform = all(n == padded for n in batch.seq_lens)  # no mask needed
+            # per window (None: none), [B, 1, 1, P * ps] boolean masks: True = may attend
+            self.decode_masks: dict[int | None, torch.Tensor | None] = {
+                None: None if uniform else (positions < lens)[:, None, None, :]}
+            for w in self.sliding_windows():
+                self.decode_masks[w] = ((positions < lens) & (positions >= lens - w))[:, None, None, :]
         else:
             self.extend_offsets = [0]
             for n in batch.extend_lens:
@@ -49,12 +54,11 @@ class TorchAttention(AttentionBackend):
         # [B * P, ps, kv_heads, D] -> [B, P * ps, kv_heads, D] -> [B, kv_heads, P * ps, D]
         keys = k_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
         values = v_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
-        mask = None if self.uniform else self.decode_mask
         out = F.scaled_dot_product_attention(
             q.view(b, h, 1, d),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask,
+            attn_mask=self.decode_masks[self.window(layer)],
             scale=self.scale,
             enable_gqa=True,
         )
@@ -63,25 +67,35 @@ class TorchAttention(AttentionBackend):
     def _extend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        outs = []
+        outs, window = [], self.window(layer)
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
             lo, hi = self.extend_offsets[i], self.extend_offsets[i + 1]
             qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            first = 0 if window is None else max(0, prefix - window + 1)  # first key it reads
             if prefix == 0:
-                ki, vi, mask, causal = k[lo:hi], v[lo:hi], None, True
+                ki, vi = k[lo:hi], v[lo:hi]
             else:
-                ki, vi = self.pool.read(layer, self.pool.locate(self.slot_table[i, : prefix + n]))
-                # query j (absolute position prefix + j) sees keys 0..prefix + j
-                mask = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-                causal = False
+                ki, vi = self.pool.read(layer, self.pool.locate(self.slot_table[i, first : prefix + n]))
+            mask = None if prefix == 0 and window is None else visible(n, prefix, first, window, q.device)
             out = F.scaled_dot_product_attention(
                 qi,
                 ki.transpose(0, 1).unsqueeze(0),
                 vi.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
-                is_causal=causal,
+                is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=True,
             )
             outs.append(out[0].transpose(0, 1).reshape(n, -1))  # [n, H*D]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def visible(n: int, prefix: int, first: int, window: int | None,
+            device: torch.device) -> torch.Tensor:
+    """[n, prefix + n - first] bool: which keys (positions first .. prefix + n - 1) each of n
+    queries at positions prefix .. prefix + n - 1 sees: those at or before its own position
+    and, with a window, after its position - window."""
+    queries = torch.arange(prefix, prefix + n, device=device)[:, None]
+    keys = torch.arange(first, prefix + n, device=device)[None, :]
+    sees = keys <= queries
+    return sees if window is None else sees & (keys > queries - window)

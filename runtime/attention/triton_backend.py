@@ -9,12 +9,20 @@ one query head and BLOCK_M of the request's new tokens, causal over prefix + new
 tokens' K/V are written to the pool first, so every key is read from the pool).
 Softmax runs online in float32; with a float32 pool the dot products use IEEE float32 (no TF32),
 so greedy output can be held token-exact against HF in float32.
+A layer with a sliding window W (SLIDING, a compile-time switch: each kind of layer has its own
+kernel) starts its loop at the first key of its first query's window and hides, per query, the
+keys at or before its position - W. Each query's first key then lies within BLOCK_M - 1 keys of
+the loop's start, so inside the first block (BLOCK_M <= every BLOCK_N): no query meets a block
+where it sees nothing before one where it sees something, which the online softmax, as written,
+could not take (-inf - -inf).
 
 CUDA only in production; under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly),
 which is how the CPU machines test them (tests/attention/test_triton_kernels.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -35,6 +43,7 @@ BLOCK_M = 32  # extend: query tokens per program
 # float32 extend: IEEE dot products over 64 keys spill registers on sm_90 (8 KB of stack per
 # thread at head_dim 128; tests/attention/test_triton_compile.py), 32 keys do not
 BLOCK_N_IEEE = 32
+assert min(BLOCK_N, BLOCK_N_IEEE) >= BLOCK_M  # sliding windows: see the module's docstring
 # the largest head the kernels take: at 256 (Gemma) ptxas spills the float32 decode and every
 # extend kernel (tests/attention/test_triton_compile.py); `auto` then falls back to torch
 MAX_HEAD_DIM = 128
@@ -73,11 +82,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, Out, Table, ReqIdx, SeqLens, scale,
+        Q, K, V, Out, Table, ReqIdx, SeqLens, scale, window,
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -93,7 +102,10 @@ if triton is not None:
         m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
-        for start in range(0, seq_len, BLOCK):
+        first = 0
+        if SLIDING:
+            first = tl.maximum(seq_len - window, 0)  # its window: positions first .. seq_len - 1
+        for start in range(first, seq_len, BLOCK):
             n = start + tl.arange(0, BLOCK)
             valid = n < seq_len
             m_i, l_i, acc = _attend(
@@ -106,11 +118,11 @@ if triton is not None:
 
     @triton.jit
     def _extend_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale,
+        Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
         PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -132,10 +144,16 @@ if triton is not None:
             l_i = tl.zeros([BLOCK_Q], tl.float32)
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
             kv_len = prefix + tl.minimum(ext_len, first + BLOCK_Q)  # what its last query sees
-            for start in range(0, kv_len, BLOCK):
+            lo = 0
+            if SLIDING:  # the first key its first query sees
+                lo = tl.maximum(prefix + first - window + 1, 0)
+            for start in range(lo, kv_len, BLOCK):
                 n = start + tl.arange(0, BLOCK)
                 valid = n < kv_len
                 sees = valid[None, :] & (n[None, :] <= (prefix + mq)[:, None])  # causal
+                if SLIDING:  # (padding rows take the last query's window: never stored)
+                    last = prefix + tl.minimum(mq, ext_len - 1)
+                    sees = sees & (n[None, :] > last[:, None] - window)
                 m_i, l_i, acc = _attend(
                     q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc, scale,
                     stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
@@ -180,8 +198,10 @@ def paged_decode(
     req_idx: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Launch:
-    """q [B, H, D] -> [B, H, D]: request b attends to its first seq_lens[b] positions."""
+    """q [B, H, D] -> [B, H, D]: request b attends to its first seq_lens[b] positions (the last
+    `window` of them with a window)."""
     b, h, d = q.shape
     group = h // pool.num_kv_heads
     k, v = pool.pages(layer)  # [P, PS, KVH, D], strided
@@ -189,9 +209,10 @@ def paged_decode(
     return Launch(
         _decode_kernel,
         (b, pool.num_kv_heads),
-        (q, k, v, out, table, req_idx, seq_lens, scale, *_strides(q, out, k, table)),
+        (q, k, v, out, table, req_idx, seq_lens, scale, window or 0, *_strides(q, out, k, table)),
         dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, next_pow2(group)), D=d,
-             BLOCK_D=block_d(d), BLOCK=BLOCK_N, IEEE=pool.dtype == torch.float32),
+             BLOCK_D=block_d(d), BLOCK=BLOCK_N, IEEE=pool.dtype == torch.float32,
+             SLIDING=window is not None),
         out,
     )  # fmt: skip
 
@@ -207,9 +228,11 @@ def paged_extend(
     prefix_lens: torch.Tensor,
     max_extend: int,
     scale: float,
+    window: int | None = None,
 ) -> Launch:
     """q [T, H, D] (requests' new tokens back to back) -> [T, H, D], causal over each
-    request's prefix (from the pool) and its new tokens (already written to the pool)."""
+    request's prefix (from the pool) and its new tokens (already written to the pool), within
+    the last `window` positions of each query with a window."""
     _, h, d = q.shape
     k, v = pool.pages(layer)
     out = torch.empty_like(q)
@@ -217,10 +240,11 @@ def paged_extend(
     return Launch(
         _extend_kernel,
         (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
-        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
+        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale, window or 0,
          *_strides(q, out, k, table)),
         dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_D=block_d(d),
-             BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee),
+             BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee,
+             SLIDING=window is not None),
         out,
     )  # fmt: skip
 
@@ -240,7 +264,8 @@ class TritonAttention(AttentionBackend):
     cuda_graph_safe = True  # decode reads lengths and rows from tensors; its grid is (B, KV heads)
 
     @classmethod
-    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> TritonAttention:
+    def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+               windows: Sequence[int | None] = ()) -> TritonAttention:
         if triton is None:
             raise BackendUnavailable(
                 "triton attention: the triton package is not installed (pip install 'baton[cuda]')"
@@ -254,7 +279,7 @@ class TritonAttention(AttentionBackend):
             raise BackendUnavailable(
                 f"triton attention: head_dim {pool.head_dim} is above {MAX_HEAD_DIM}"
             )
-        return cls(pool, req_to_token, scale)
+        return cls(pool, req_to_token, scale, windows)
 
     def begin(self, batch: ForwardBatch) -> None:
         self.out_rows = self.pool.row_offsets(batch.out_cache_loc)
@@ -272,9 +297,8 @@ class TritonAttention(AttentionBackend):
         store_kv(self.pool, layer, self.out_rows, k, v).run()
         table = self.req_to_token.table
         if batch.mode == "decode":
-            out = paged_decode(
-                self.pool, layer, q.contiguous(), table, self.req_idx, self.seq_lens, self.scale
-            ).run()
+            out = paged_decode(self.pool, layer, q.contiguous(), table, self.req_idx,
+                               self.seq_lens, self.scale, self.window(layer)).run()
         else:
             out = paged_extend(
                 self.pool,
@@ -287,5 +311,6 @@ class TritonAttention(AttentionBackend):
                 self.prefix_lens,
                 self.max_extend,
                 self.scale,
+                self.window(layer),
             ).run()
         return out.view(out.shape[0], -1)

@@ -91,9 +91,9 @@ class ModelRunner:
         if prefix_cache is None:
             prefix_cache = not config.disable_prefix_cache
         self.pool, self.kv = self._kv_cache(max_running_requests, prefix_cache)
-        self.attn = create_attention_backend(
-            config.attention_backend, self.pool, self.kv.req_to_token, mc.head_dim**-0.5
-        )
+        self.attn = create_attention_backend(config.attention_backend, self.pool,
+                                             self.kv.req_to_token, mc.attention_scale,
+                                             mc.sliding_windows)
         self.sampler = create_sampler_backend(config.sampler_backend, mc.vocab_size)
         self.needs_request_ids = self.sampler.needs_request_ids
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size, self.device)

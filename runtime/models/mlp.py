@@ -1,4 +1,5 @@
-"""A layer's feed-forward: the dense gated MLP, or a sparse mixture of experts (moe.py).
+"""A layer's feed-forward: the dense gated MLP (SiLU, or Gemma's GELU), or a sparse mixture of
+experts (moe.py).
 
 Both are called as `mlp(h, ops)` on the normed residual h [T, hidden] and return what the layer
 adds to the residual stream [T, hidden]; `ops` is the model's small-op set (torch or Triton).
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from runtime.models.linear import Linear
 
@@ -34,3 +36,12 @@ class GatedMLP:
 
     def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:
         return self.down(ops.silu_mul(self.gate_up(h)))
+
+
+class GeGLU(GatedMLP):
+    """down(GELU(gate(h)) * up(h)), GELU by its tanh approximation (Gemma's
+    `gelu_pytorch_tanh`), in torch ops on every device."""
+
+    def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up)

@@ -71,6 +71,12 @@ def _qwen2_moe() -> ModelFactory:
     return Qwen2MoeModel
 
 
+def _gemma3() -> ModelFactory:
+    from runtime.models.gemma3 import Gemma3Model
+
+    return Gemma3Model
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -83,6 +89,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), _qwen3),
     Family("mixtral", ("MixtralForCausalLM",), _mixtral),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _qwen2_moe),
+    Family("gemma3", ("Gemma3ForCausalLM",), _gemma3),  # text only
 )
 
 

@@ -15,20 +15,26 @@ relies on:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from runtime.attention.base import BackendUnavailable
 from runtime.attention.flashinfer_backend import FlashInferAttention
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from tests.attention.reference import causal_attention
 
 
-def backend(pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> FlashInferAttention:
-    """baton's flashinfer backend over this stand-in (any device, any dtype)."""
+def backend(pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
+            windows: Sequence[int | None] = ()) -> FlashInferAttention:
+    """baton's flashinfer backend over this stand-in (any device, any dtype); sliding windows
+    refused as FlashInferAttention.create refuses them."""
     import tests.attention.flashinfer_standin as module
 
+    if any(w is not None for w in windows):
+        raise BackendUnavailable("flashinfer attention: sliding-window layers are not wired")
     return FlashInferAttention(pool, req_to_token, scale, module)
 
 

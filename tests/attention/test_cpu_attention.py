@@ -66,8 +66,10 @@ def decode_setup(
 
 
 def run(backend: str, pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch,
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    attn = create_attention_backend(backend, pool, table, q.shape[-1] ** -0.5)
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """LAYER's attention; with `window`, LAYER slides and the layers beside it do not."""
+    attn = create_attention_backend(backend, pool, table, q.shape[-1] ** -0.5,
+                                    (None, window, None))
     attn.begin(batch)
     return attn.forward(LAYER, q, k, v, batch)
 
@@ -88,14 +90,16 @@ def test_native_decode_equals_torch(heads: int, kv_heads: int, head_dim: int) ->
 
 
 def reference64(pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Decode attention in float64, request by request, straight from the definition."""
+                k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Decode attention in float64, request by request, straight from the definition (over the
+    last `window` positions with a window)."""
     group = q.shape[1] // k.shape[1]
     outs = []
     for i, n in enumerate(batch.seq_lens):
         slots = table.table[int(batch.req_pool_indices[i]), :n]
         keys, values = (t.double() for t in pool.read(LAYER, pool.locate(slots)))  # [n, KVH, D]
         keys[-1], values[-1] = k[i], v[i]  # the new token's own K/V
+        keys, values = keys[-(window or n):], values[-(window or n):]
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         weights = (torch.einsum("hd,nhd->hn", q[i].double(), keys) * q.shape[-1] ** -0.5).softmax(-1)
         outs.append(torch.einsum("hn,nhd->hd", weights, values).reshape(-1))
@@ -115,6 +119,21 @@ def test_native_softmax_is_as_accurate_as_torch(sharpness: float) -> None:
     err = {b: (run(b, pool, table, batch, q, k, v).double() - want).abs().max().item()
            for b in ("torch", "cpu")}
     assert err["cpu"] <= max(1.5 * err["torch"], 2e-6), err
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_a_sliding_window_decodes_as_float64_in_both_backends(window: int) -> None:
+    """A window of only the new token, one across pages, one a page-multiple: both backends
+    attend to each request's last `window` positions, equal to the float64 definition; the
+    layers beside it stay global."""
+    seq_lens = [1, 4, 5, 7, 8, 17, 33, 130]
+    pool, table, batch, q, k, v = decode_setup(seq_lens, 8, 2, 64)
+    want = reference64(pool, table, batch, q, k, v, window)
+    for backend in ("torch", "cpu"):
+        got = run(backend, pool, table, batch, q, k, v, window)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    attn = create_attention_backend("cpu", pool, table, 0.125, (None, window, None))
+    assert (attn.window(0), attn.window(LAYER), attn.window(7)) == (None, window, None)
 
 
 def test_native_decode_reads_only_its_own_slots() -> None:

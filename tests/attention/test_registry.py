@@ -13,9 +13,10 @@ from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 
-def make(name: str, dtype: torch.dtype = torch.float32) -> object:
+def make(name: str, dtype: torch.dtype = torch.float32,
+         windows: tuple[int | None, ...] = ()) -> object:
     pool = KVPool(2, 8, 4, 3, 64, dtype)
-    return create_attention_backend(name, pool, ReqToTokenPool(4, 32), 0.125)
+    return create_attention_backend(name, pool, ReqToTokenPool(4, 32), 0.125, windows)
 
 
 def test_auto_on_cpu_is_the_native_kernel_else_torch() -> None:
@@ -31,3 +32,12 @@ def test_what_cannot_run_here_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
         make("flashinfer")
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*'triton'"):
         make("flash")
+
+
+def test_flashinfer_refuses_sliding_windows_and_auto_keeps_them() -> None:
+    """flashinfer's window is not wired: a model with sliding-window layers is refused by name,
+    before anything about the machine; `auto` picks a backend that applies every window."""
+    with pytest.raises(BackendUnavailable, match=r"sliding-window layers .* triton .* torch"):
+        make("flashinfer", windows=(8, None))
+    attn = make("auto", windows=(8, None))
+    assert isinstance(attn, CpuAttention) and attn.windows == (8, None)

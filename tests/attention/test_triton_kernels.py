@@ -50,11 +50,11 @@ def setup(dtype: torch.dtype, lens: list[int], page_size: int, heads: int = 9,
 
 
 def reference(pool: KVPool, layer: int, q: torch.Tensor, slots: torch.Tensor,
-              query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+              query_pos: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """float64 attention of q [n, H, D] (at positions query_pos [n]) over the keys at `slots`
-    (positions 0..len-1), causal."""
+    (positions 0..len-1), causal (within the last `window` positions)."""
     k, v = pool.read(layer, pool.locate(slots))
-    return causal_attention(q, k, v, query_pos, scale)
+    return causal_attention(q, k, v, query_pos, scale, window)
 
 
 def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -132,6 +132,41 @@ def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int, head_d
         close(out[starts[i] : starts[i] + n], ref, dtype)
 
 
+@pytest.mark.parametrize("window", [1, 20, 100])
+def test_a_sliding_window_matches_float64(window: int) -> None:
+    """Decode and extend with a window: of the new token alone, one that starts inside a key
+    block and makes later queries of an extend program skip whole blocks (every key hidden from
+    their rows), and one longer than some requests. The slots before each window are then set
+    to NaN: a kernel that loads a key no query may see fails loudly, not by a little."""
+    pairs = [(0, 20), (37, 5), (64, 1), (3, 70), (150, 40)]  # (prefix, new tokens)
+    lens = [p + n for p, n in pairs]
+    pool, table, rows = setup(torch.float32, lens, 4, head_dim=32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(n for _, n in pairs), 9, 32, generator=gen).to(DEVICE)
+    dq = torch.randn(len(lens), 9, 32, generator=gen).to(DEVICE)
+    starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
+    extend_refs = [reference(pool, 2, q[starts[i] : starts[i] + n], table[rows[i], : prefix + n],
+                             torch.arange(prefix, prefix + n, device=DEVICE), 0.2, window)
+                   for i, (prefix, n) in enumerate(pairs)]
+    decode_refs = [reference(pool, 2, dq[b : b + 1], table[rows[b], :n],
+                             torch.tensor([n - 1], device=DEVICE), 0.2, window)
+                   for b, n in enumerate(lens)]
+    for (prefix, _), r in zip(pairs, rows.tolist(), strict=True):  # hidden from every query
+        old = pool.locate(table[r, : max(0, prefix - window + 1)])
+        nan = torch.full((len(old[0]), 3, 32), float("nan"), device=DEVICE)
+        pool.write(2, old, nan, nan)
+    out = paged_extend(
+        pool, 2, q, table, rows, torch.tensor(starts, device=DEVICE),
+        torch.tensor([n for _, n in pairs], device=DEVICE),
+        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2,
+        window).run()
+    for i, (_, n) in enumerate(pairs):
+        close(out[starts[i] : starts[i] + n], extend_refs[i], torch.float32)
+    out = paged_decode(pool, 2, dq, table, rows, torch.tensor(lens, device=DEVICE), 0.2, window).run()
+    for b in range(len(lens)):
+        close(out[b : b + 1], decode_refs[b], torch.float32)
+
+
 def test_engine_on_triton_equals_torch_attention(tiny_path: Path) -> None:
     """Chunked prefill (so later chunks attend to a cached prefix), GQA and decode through the
     triton backend give the torch backend's greedy tokens, on the tiny random Llama."""
@@ -154,16 +189,33 @@ def test_engine_on_triton_equals_torch_attention(tiny_path: Path) -> None:
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_decode_graphs_on_triton_equal_eager_torch(tiny_path: Path) -> None:
+def test_gemma3_on_triton_matches_hf_logits(model_path: Path, tmp_path: Path) -> None:
+    """Gemma 3's sliding-window layer (a window of 8) beside its global one, through the
+    triton kernels: chunked extend and decode give HF's logits."""
+    from runtime.attention.triton_backend import TritonAttention
+    from tests.models.test_forward_vs_hf import check_logits, hf_tiny
+
+    path, hf = hf_tiny("gemma3-sliding", model_path, tmp_path)
+    runner = check_logits(path, hf, "triton", "torch", DEVICE)
+    assert isinstance(runner.attn, TritonAttention) and runner.attn.windows == (8, None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_graphs_on_triton_equal_eager_torch(family: str, tiny_path: Path, model_path: Path,
+                                                   tmp_path: Path) -> None:
     """Decode graphs driven through the triton kernels (EagerGraph on the CPU: the same fixed
     buffers, padding rows reading the table's scratch row) give the eager torch backend's
-    tokens, and padding writes nothing a request owns."""
+    tokens, and padding writes nothing a request owns; Gemma 3's sliding-window layer (a
+    window of 8, over prompts of 30 to 200 tokens) too."""
     from runtime.config import EngineConfig
     from runtime.engine.model_runner import ModelRunner
     from tests.engine.test_cuda_graph import CountedGraph, generate
+    from tests.models.test_forward_vs_hf import hf_tiny
+
+    path = tiny_path if family == "llama" else hf_tiny("gemma3-sliding", model_path, tmp_path)[0]
 
     def runner(attention: str) -> ModelRunner:
-        config = EngineConfig(model=str(tiny_path), attention_backend=attention, page_size=4,
+        config = EngineConfig(model=str(path), attention_backend=attention, page_size=4,
                               linear_backend="torch", device=DEVICE, max_total_tokens=2048,
                               dtype="float32")  # what `auto` gives on the CPU, not on CUDA
         return ModelRunner(config, max_running_requests=16)

@@ -2,7 +2,8 @@
 
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
 nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches the engine builds
-(attention's paged_decode, paged_extend and store_kv, the model's fused ops): the same
+(attention's paged_decode, paged_extend, with and without a sliding window, and store_kv, the
+model's fused ops): the same
 specialization (argument types, 16-byte divisibility), lowering, and ptxas to a cubin, which is
 what a GPU would then load. The bundled cuobjdump reads the cubin's registers and local memory
 (spills).
@@ -42,7 +43,8 @@ SHAPES = [
     ("phi-3-medium", 40, 10, 128, 4096, 5120, 17920),
     ("head-dim-96", 32, 32, 96, 4096, 3072, 8192),  # padded to 128 columns (e.g. Phi-3-mini)
 ]
-KERNELS = ("decode", "extend", "store_kv", "add_rms_norm", "rope", "silu_mul")
+KERNELS = ("decode", "extend", "decode-sliding", "extend-sliding", "store_kv", "add_rms_norm",
+           "rope", "silu_mul")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what to build: (GPU arch, dtypes); sm_90 is an H100, sm_80 an A100, sm_89 an L4
 PLAN = [(90, ["fp32", "bf16", "fp16"]), (80, ["bf16"]), (89, ["bf16"])]
@@ -79,6 +81,9 @@ def launches(heads: int, kv_heads: int, head_dim: int, context: int, hidden: int
     return {
         "decode": paged_decode(pool, 0, q, table, rows, rows, 0.125),
         "extend": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125),
+        # a sliding-window layer's kernels (Gemma 3, Mistral): SLIDING compiles them apart
+        "decode-sliding": paged_decode(pool, 0, q, table, rows, rows, 0.125, 512),
+        "extend-sliding": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125, 512),
         "store_kv": store_kv(pool, 0, rows, k_view.view(2, kv_heads, head_dim),
                              k_view.view(2, kv_heads, head_dim)),
         "add_rms_norm": add_rms_norm_launch(x, x, x[0], 1e-5),

@@ -4,7 +4,8 @@ HF transformers' greedy tokens and logprobs (the single-rank engine's, which equ
 and from the prefix cache, in lockstep and with overlap. Covered: KV heads copied on several
 ranks (fewer KV heads than ranks), a vocabulary the ranks do not split evenly, Qwen2's q/k/v
 biases, untied and tied embeddings, Qwen3's q/k norms, TP-MoE (experts split on their
-intermediate size), and the real model over 3 ranks. A split that cannot work is refused before
+intermediate size), Gemma 3 (its sliding-window layer on every rank), and the real model over 3
+ranks. A split that cannot work is refused before
 any process starts, naming the counts."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from runtime import Engine
 from runtime.config import ModelConfig
 from runtime.models.parallel import TensorParallel, TPConfigError
 from tests.engine.hf_reference import MAX_NEW, PROMPTS, Reference, compare, hf_greedy
-from tests.models.checkpoints import SHAPE, write_checkpoint, write_family
+from tests.models.checkpoints import FAMILIES, SHAPE, write_checkpoint, write_family
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,6 +32,8 @@ CASES: dict[str, tuple[str, dict[str, Any], int, dict[str, Any]]] = {
         "LlamaConfig", dict(LLAMA_8_2, vocab_size=49155), 4, {"enable_overlap": True}),
     "qwen2-biases-untied": ("Qwen2Config", dict(SHAPE, tie_word_embeddings=False), 2, {}),
     "qwen3-moe-tp-moe": ("qwen3-moe", {}, 2, {}),
+    # (1 + w) norms, GeGLU split on its intermediate size, a sliding-window layer (8) per rank
+    "gemma3-sliding-tp2": ("gemma3", {}, 2, {}),
 }
 
 
@@ -58,7 +61,7 @@ def _run(engine: Engine, ids: list[list[int]], refs: list[Reference], what: str,
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp_equals_hf_cold_and_cached(case: str, model_path: Path, tmp_path: Path) -> None:
     cls, config, tp, options = CASES[case]
-    path = (write_family(cls, tmp_path / "ckpt", model_path) if cls in ("qwen3-moe",)
+    path = (write_family(cls, tmp_path / "ckpt", model_path) if cls in FAMILIES
             else write_checkpoint(cls, tmp_path / "ckpt", model_path, **config))
     ids = _prompts(path)
     refs = [r.head(16) for r in hf_greedy(path, ids, 16)]

@@ -1,6 +1,7 @@
 """Tiny checkpoints of every family beyond Llama, written by HF transformers from the family's own
 config class: 2 layers, sharp random weights so greedy has margins, a given tokenizer. The family
-tests use them on the CPU, tests/gpu on a GPU."""
+tests use them on the CPU, tests/gpu on a GPU. Gemma 3's sliding layer has a window of 8, shorter
+than every prompt with its output, beside a global layer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=48,
                                          shared_expert_intermediate_size=64)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "full_attention"])),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -49,7 +52,9 @@ def write_checkpoint(cls: str, dest: Path, tokenizer: Path, dtype: torch.dtype =
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("gate.weight"):  # MoE routers: decisive picks
+            if cls.startswith("Gemma") and pname.endswith("norm.weight"):
+                p.normal_(0, 0.3)  # its norms scale by 1 + w: random, so a lost 1 shows
+            elif pname.endswith("gate.weight"):  # MoE routers: decisive picks
                 p.normal_(0, 1.0)
             elif pname.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.3)

@@ -2,7 +2,9 @@
 
 Tiny random models cover what SmolLM2 does not: Qwen2's q/k/v biases, Qwen3's per-head q/k
 norms and free head_dim, sparse MoE layers (Qwen3-MoE with dense layers between, Mixtral), llama3 and linear rope scaling, untied lm_head, and a prefix read back
-from the paged pool (chunked extend + decode).
+from the paged pool (chunked extend + decode); Gemma 3's sliding-window layers (a window of 8 or
+5 over 40 tokens, on pages of 4) beside its global ones, each with its RoPE base, its (1 + w)
+norms (all random here), scaled embedding, GeGLU, query_pre_attn_scalar and logit soft-capping.
 """
 
 from __future__ import annotations
@@ -71,36 +73,59 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                                 moe_intermediate_size=32,
                                                 shared_expert_intermediate_size=48,
                                                 mlp_only_layers=[0], tie_word_embeddings=False)),
+    "gemma3-sliding": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"],
+                                                query_pre_attn_scalar=24)),
+    # the global layer first, its rope scaled; logits capped; an untied lm_head
+    "gemma3-softcap-linear-rope": ("Gemma3TextConfig", dict(
+        head_dim=32, sliding_window=5, layer_types=["full_attention", "sliding_attention"],
+        final_logit_softcapping=3.0, rope_scaling=dict(rope_type="linear", factor=2.0),
+        tie_word_embeddings=False)),
 }
 
 
 @pytest.fixture(params=sorted(VARIANTS))
 def tiny(request: pytest.FixtureRequest, model_path: Path, tmp_path: Path) -> tuple[Path, Any]:
+    return hf_tiny(request.param, model_path, tmp_path)
+
+
+def hf_tiny(variant: str, model_path: Path, dest: Path) -> tuple[Path, Any]:
+    """VARIANTS[variant] with random weights, saved in `dest` with the builtin tokenizer, and
+    the HF model itself."""
     import transformers
 
-    cls_name, extra = VARIANTS[request.param]
+    cls_name, extra = VARIANTS[variant]
     config = getattr(transformers, cls_name)(**COMMON, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random biases and q/k norms, so a dropped one cannot go unnoticed
+    with torch.no_grad():  # random biases and norms, so a dropped one cannot go unnoticed
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if cls_name.startswith("Gemma") and name.endswith("norm.weight"):
+                p.normal_(0, 0.5)  # Gemma scales by 1 + w: w = 0 would hide a lost 1
+            elif name.endswith("bias"):
                 p.normal_(0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1, 0.5)
             elif name.endswith("gate.weight"):  # MoE routers (and a shared expert's gate)
                 p.normal_(0, 1.0)
-    model.save_pretrained(tmp_path)
-    shutil.copy(model_path / "tokenizer.json", tmp_path / "tokenizer.json")
-    return tmp_path, model.eval()
+    model.save_pretrained(dest)
+    shutil.copy(model_path / "tokenizer.json", dest / "tokenizer.json")
+    return dest, model.eval()
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"], ids=["plain-torch", "onednn-native"])
 def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], backend: str) -> None:
     path, hf = tiny
+    check_logits(path, hf, backend, "torch" if backend == "torch" else "auto")
+
+
+def check_logits(path: Path, hf: Any, attention: str, linear: str,
+                 device: str = "cpu") -> ModelRunner:
+    """40 random tokens through our forward, as two extend chunks (the second reading the first
+    from the pool) and 10 decode steps, give HF's logits (HF on the CPU); returns the runner."""
     config = EngineConfig(
-        model=str(path), max_total_tokens=512, page_size=4,
-        linear_backend=backend, attention_backend=backend,  # type: ignore[arg-type]
+        model=str(path), max_total_tokens=512, page_size=4, device=device, dtype="float32",
+        linear_backend=linear, attention_backend=attention,  # type: ignore[arg-type]
     )
     runner = ModelRunner(config, 4)
     # on a CPU the experts read their counts on the host: no decode graph may capture them
@@ -118,8 +143,9 @@ def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], backen
         req.output_ids.append(tok)
         batch = ScheduleBatch(reqs=[req], input_ids=torch.tensor([tok]))
         got.append(runner.model.forward(batch.prepare_for_decode(runner.kv), runner.attn, None))
-    ours = torch.cat(got)
+    ours = torch.cat(got).cpu()
     # decode logits are for the token after each input: align with HF's rows 30..39
     torch.testing.assert_close(ours, want, atol=2e-4, rtol=1e-4)
     runner.kv.release(req)
     assert runner.kv.is_all_free()
+    return runner
