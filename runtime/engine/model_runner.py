@@ -17,7 +17,7 @@ import torch
 
 from runtime.attention.registry import create_attention_backend
 from runtime.canary.guard import build_guard
-from runtime.config import CanaryConfig, EngineConfig, ModelConfig
+from runtime.config import CanaryConfig, EngineConfig
 from runtime.device import bind_thread, serving_device
 from runtime.engine.cuda_graph import DecodeGraphs, Graph
 from runtime.engine.memory import kv_pages, out_of_memory
@@ -29,6 +29,7 @@ from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool, page_nbytes
 from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.model_config import ModelConfig
 from runtime.model_store import resolve_model_path
 from runtime.models.linear import use_onednn
 from runtime.models.parallel import TensorParallel

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.config import FP8Weights
+from runtime.model_config import FP8Weights
 
 BLOCK_SCALE, SCALE = "_scale_inv", "_scale"  # suffixes of a weight's scale tensor
 

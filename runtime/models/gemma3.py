@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from runtime.attention.base import AttentionBackend
-from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
+from runtime.model_config import ModelConfig
 from runtime.models.llama import LayerWeights, LlamaModel
 from runtime.models.mlp import FeedForward, GeGLU
 from runtime.models.parallel import TensorParallel

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend
-from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
+from runtime.model_config import ModelConfig
 from runtime.models.linear import Linear
 from runtime.models.mlp import FeedForward, GatedMLP
 from runtime.models.parallel import TensorParallel

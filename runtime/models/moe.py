@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.config import MoEConfig
+from runtime.model_config import MoEConfig
 from runtime.models.mlp import GatedMLP, SmallOps
 from runtime.models.weights import Weights
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.config import ModelConfig
+from runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from runtime.config import ModelConfig
+from runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from runtime.config import FP8Weights
+from runtime.model_config import FP8Weights
 from runtime.models.fp8 import dequantize, scale_name
 from runtime.models.parallel import TensorParallel
 

@@ -23,8 +23,9 @@ import uvicorn
 from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
 from runtime.auth.ticket import TicketGate
-from runtime.config import ServerArgs, UnsupportedQuantization
+from runtime.config import ServerArgs
 from runtime.lifecycle import make_ipc_dir
+from runtime.model_config import UnsupportedQuantization
 from runtime.models.parallel import TPConfigError
 from runtime.models.registry import UnsupportedArchitecture, check_architecture
 from runtime.server.args import parse_server_args

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from runtime import Engine
-from runtime.config import ModelConfig
+from runtime.model_config import ModelConfig
 from runtime.models.parallel import TensorParallel, TPConfigError
 from tests.engine.hf_reference import MAX_NEW, PROMPTS, Reference, compare, hf_greedy
 from tests.models.checkpoints import FAMILIES, SHAPE, write_checkpoint, write_family

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime import Engine
-from runtime.config import FP8Weights, ModelConfig, UnsupportedQuantization
+from runtime.model_config import FP8Weights, ModelConfig, UnsupportedQuantization
 from runtime.models.registry import check_architecture
 from tests.engine.hf_reference import PROMPTS, compare, hf_greedy
 from tests.models.checkpoints import SHAPE, write_checkpoint, write_family

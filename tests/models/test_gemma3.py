@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.config import ModelConfig
+from runtime.model_config import ModelConfig
 from runtime.models.gemma3 import Gemma3Model, UnsupportedGemmaConfig
 from runtime.models.rope import inv_frequencies
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.config import MoEConfig
+from runtime.model_config import MoEConfig
 from runtime.models.llama import TORCH_OPS
 from runtime.models.moe import SparseMoE
 
