@@ -104,26 +104,26 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, max_running_requests: int, size: int, port: int,
                  timeout_s: float, on_death: Callable[[str], None] | None = None) -> None:
-        """Start followers 1..size-1 and join them (rank 0) in the group on `port`; returns
-        once every follower has its part loaded, or raises RuntimeError naming the one that
-        failed. `on_death(message)`: what a follower's death does to rank 0 (None: log it; the
-        next collective then fails)."""
+        """Start followers 1..size-1 and join them (rank 0) in the group on `port`
+        (`wait_ready` then waits for their parts to load). `on_death(message)`: what a
+        follower's death does to rank 0, from the moment it starts (None: log it; the next
+        collective then fails)."""
         self.size, self.timeout_s, self.closing = size, timeout_s, False
         self.procs: list[subprocess.Popen[bytes]] = []
         start = (config, max_running_requests, size, port, timeout_s, os.getpid())
-        for rank in range(1, size):
-            proc = subprocess.Popen([sys.executable, "-m", "runtime.scheduler.ranks"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            self.procs.append(proc)
-            assert proc.stdin is not None
-            _write(proc.stdin, (rank, *start), timeout_s)
         try:
-            join_group(0, size, port, config.device, timeout_s)
+            for rank in range(1, size):
+                proc = subprocess.Popen([sys.executable, "-m", "runtime.scheduler.ranks"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                self.procs.append(proc)
+                assert proc.stdin is not None
+                _write(proc.stdin, (rank, *start), timeout_s)
             self.watchdogs = [threading.Thread(target=self._watch, args=(rank, proc, on_death),
                                                daemon=True, name=f"tp-watch-{rank}")
                               for rank, proc in enumerate(self.procs, start=1)]
             for t in self.watchdogs:
                 t.start()
+            join_group(0, size, port, config.device, timeout_s)
         except BaseException:
             self.close()
             raise
@@ -221,7 +221,10 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
     from runtime.engine.model_runner import ModelRunner
     from runtime.lifecycle import die_with_parent
 
-    rank, config, max_running, size, port, timeout_s, parent = _read(inbox)
+    try:
+        rank, config, max_running, size, port, timeout_s, parent = _read(inbox)
+    except EOFError:  # rank 0 went before it said who this is
+        return 1
     die_with_parent(signal.SIGKILL, parent=parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     logging.basicConfig(level=logging.INFO,
@@ -230,7 +233,8 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
         join_group(rank, size, port, config.device, timeout_s)
         runner: Runner = ModelRunner(config, max_running, prefix_cache=False, rank=rank)
         future_map = FutureMap(max_running, runner.device)
-    except Exception as e:  # reported to rank 0, which names it
+    except Exception as e:  # logged, and reported to rank 0, which names it
+        log.exception("TP rank %d could not start", rank)
         status.write(f"{type(e).__name__}: {e}\n".encode())
         status.flush()
         return 1
