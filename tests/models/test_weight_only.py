@@ -121,3 +121,45 @@ def test_the_dequantized_path_equals_hf_on_the_same_weights(kind: str, model_pat
         engine.shutdown()
     for out, ref in zip(outs, refs, strict=True):
         assert compare(out["output_ids"], ref) is None
+
+
+def test_pd_with_int4_equals_colocated_int4(model_path: Path, tmp_path: Path) -> None:
+    """`make run`'s mode through PD over tcp (what `baton up -- --quantization int4` runs): the
+    prefill's KV and first token, the decode's steps, the same tokens as one int4 engine and
+    logprobs within float noise of its, the KV canary raising on any violation."""
+    import asyncio
+
+    import httpx
+
+    from tests.disagg.pd import pd_call, start_pair
+
+    path = write_checkpoint("LlamaConfig", tmp_path / "m", model_path,
+                            **dict(SHAPE, hidden_size=128, num_attention_heads=8))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    engine = Engine(model=str(path), max_total_tokens=2048, quantization="int4")
+    try:
+        want = engine.generate(ids, {"temperature": 0, "max_new_tokens": 12}, return_logprob=True)
+    finally:
+        engine.shutdown()
+    pair = start_pair(tmp_path, "tcp", "--quantization", "int4", "--kv-canary", "raise",
+                      model=str(path))
+    try:
+        async def run() -> list[dict[str, object]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                calls = [pd_call(http, pair, "/generate", {
+                    "input_ids": p, "return_logprob": True, **pair.fields(prompt={"input_ids": p}),
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 12}}) for p in ids]
+                return [decoded for _, decoded in await asyncio.gather(*calls)]
+
+        for got, w in zip(asyncio.run(run()), want, strict=True):
+            assert isinstance(got, dict), got
+            assert got["output_ids"] == w["output_ids"]
+            lps = [lp for lp, _ in got["meta_info"]["output_token_logprobs"]]  # type: ignore[index]
+            # (batches of other sizes add in another order: float noise, not a different model)
+            assert max(abs(a - b) for a, b in zip(
+                lps, [lp for lp, _ in w["meta_info"]["output_token_logprobs"]], strict=True)) < 1e-4
+    finally:
+        pair.stop()
