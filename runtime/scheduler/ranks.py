@@ -160,6 +160,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+            if proc.stdout is not None:
+                proc.stdout.close()
         leave_group()
 
     def _watch(self, rank: int, proc: subprocess.Popen[bytes],
@@ -180,13 +182,20 @@ def _write(pipe: IO[bytes], obj: Any, timeout_s: float) -> None:
     fd, deadline = pipe.fileno(), time.monotonic() + timeout_s
     os.set_blocking(fd, False)
     while view:
-        _, ready, _ = select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        if not _ready(fd, select.POLLOUT, deadline):
             raise TimeoutError(f"a TP follower read nothing for {timeout_s:.0f} s")
         try:
             view = view[os.write(fd, view):]
         except BlockingIOError:
             continue
+
+
+def _ready(fd: int, event: int, deadline: float) -> bool:
+    """Whether `fd` is ready for `event` (or hung up) before `deadline`. poll, not select: a
+    process with many files may hand out descriptors above select's 1024."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
 
 
 def _read(pipe: IO[bytes]) -> Any:
@@ -204,8 +213,7 @@ def _read(pipe: IO[bytes]) -> Any:
 def _read_line(pipe: IO[bytes], deadline: float) -> str:
     fd, line = pipe.fileno(), b""
     while not line.endswith(b"\n"):
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        if not _ready(fd, select.POLLIN, deadline):
             return ""
         chunk = os.read(fd, 4096)
         if not chunk:
