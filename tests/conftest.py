@@ -51,6 +51,15 @@ def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def model_files_path() -> Path:
+    """The builtin model's config and tokenizer, for tests that write random weights of their
+    own (on the GPU machine, where the weights cannot travel, from .whl/model)."""
+    from tests.gpu.conftest import model_files
+
+    return model_files()
+
+
+@pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with the real tokenizer, for tests where speed matters (on the
     GPU machine too: the config and tokenizer come from .whl/model there)."""

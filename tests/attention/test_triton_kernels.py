@@ -189,20 +189,20 @@ def test_engine_on_triton_equals_torch_attention(tiny_path: Path) -> None:
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_gemma3_on_triton_matches_hf_logits(model_path: Path, tmp_path: Path) -> None:
+def test_gemma3_on_triton_matches_hf_logits(model_files_path: Path, tmp_path: Path) -> None:
     """Gemma 3's sliding-window layer (a window of 8) beside its global one, through the
     triton kernels: chunked extend and decode give HF's logits."""
     from runtime.attention.triton_backend import TritonAttention
     from tests.models.test_forward_vs_hf import check_logits, hf_tiny
 
-    path, hf = hf_tiny("gemma3-sliding", model_path, tmp_path)
+    path, hf = hf_tiny("gemma3-sliding", model_files_path, tmp_path)
     runner = check_logits(path, hf, "triton", "torch", DEVICE)
     assert isinstance(runner.attn, TritonAttention) and runner.attn.windows == (8, None)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_decode_graphs_on_triton_equal_eager_torch(family: str, tiny_path: Path, model_path: Path,
-                                                   tmp_path: Path) -> None:
+def test_decode_graphs_on_triton_equal_eager_torch(family: str, tiny_path: Path,
+                                                   model_files_path: Path, tmp_path: Path) -> None:
     """Decode graphs driven through the triton kernels (EagerGraph on the CPU: the same fixed
     buffers, padding rows reading the table's scratch row) give the eager torch backend's
     tokens, and padding writes nothing a request owns; Gemma 3's sliding-window layer (a
@@ -212,7 +212,7 @@ def test_decode_graphs_on_triton_equal_eager_torch(family: str, tiny_path: Path,
     from tests.engine.test_cuda_graph import CountedGraph, generate
     from tests.models.test_forward_vs_hf import hf_tiny
 
-    path = tiny_path if family == "llama" else hf_tiny("gemma3-sliding", model_path, tmp_path)[0]
+    path = tiny_path if family == "llama" else hf_tiny("gemma3-sliding", model_files_path, tmp_path)[0]
 
     def runner(attention: str) -> ModelRunner:
         config = EngineConfig(model=str(path), attention_backend=attention, page_size=4,

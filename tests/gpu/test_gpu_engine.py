@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime import Engine
-from tests.engine.hf_reference import PROMPTS, Reference, compare
+from tests.engine.hf_reference import LOGPROB_ULPS, PROMPTS, Reference, compare
 from tests.gpu.conftest import GPU, hf_greedy_cuda
 
 pytestmark = GPU
@@ -34,7 +34,8 @@ def refs_fp32(gpu_model: Path, prompt_ids: list[list[int]]) -> list[Reference]:
     return hf_greedy_cuda(gpu_model, prompt_ids, torch.float32, MAX_NEW)
 
 
-def run(model: Path, prompt_ids: list[list[int]], refs: list[Reference], n: int, **args: Any) -> Engine:
+def run(model: Path, prompt_ids: list[list[int]], refs: list[Reference], n: int,
+        ulps: int = LOGPROB_ULPS, **args: Any) -> Engine:
     """Tokens and their logprobs against HF's (hf_reference.compare). The model's weights are
     random, so its logits are flat: in bf16 HF against itself (another attention kernel) already
     flips greedy at 1-ulp gaps on 2 of the 8 prompts, so there every prompt may end at a near-tie,
@@ -46,7 +47,7 @@ def run(model: Path, prompt_ids: list[list[int]], refs: list[Reference], n: int,
         notes = []
         for r, ref in zip(results, refs, strict=True):
             logprobs = [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]
-            notes.append(compare(r["output_ids"][:n], ref.head(n), logprobs[:n]))
+            notes.append(compare(r["output_ids"][:n], ref.head(n), logprobs[:n], ulps))
         for note in filter(None, notes):
             warnings.warn(f"{args}: {note}", stacklevel=1)
         if refs[0].dtype == torch.float32:

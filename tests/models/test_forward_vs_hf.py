@@ -137,12 +137,13 @@ def check_logits(path: Path, hf: Any, attention: str, linear: str,
     got = []
     for lo, hi in ((0, 17), (17, 30)):  # two chunks: the second reads the first from the pool
         batch = ScheduleBatch(reqs=[req], extend_lens=[hi - lo], is_last_chunk=[hi == 30])
-        fb = batch.prepare_for_extend(runner.kv)
+        fb = batch.prepare_for_extend(runner.kv).to(runner.device)  # as the runner stages it
         got.append(runner.model.forward(fb, runner.attn, None))
     for tok in ids[30:]:  # decode the rest one token at a time
         req.output_ids.append(tok)
         batch = ScheduleBatch(reqs=[req], input_ids=torch.tensor([tok]))
-        got.append(runner.model.forward(batch.prepare_for_decode(runner.kv), runner.attn, None))
+        fb = batch.prepare_for_decode(runner.kv).to(runner.device)
+        got.append(runner.model.forward(fb, runner.attn, None))
     ours = torch.cat(got).cpu()
     # decode logits are for the token after each input: align with HF's rows 30..39
     torch.testing.assert_close(ours, want, atol=2e-4, rtol=1e-4)
