@@ -120,7 +120,7 @@ def child_handler(kind: str) -> Callable[..., None]:
 def exited_refused(status: kopf.Status, **_: Any) -> bool:
     """A container of the pod terminated with the runtime's refusal, now or before its last
     restart (which of its pools and specs it concerns, the pass decides)."""
-    return any((state or {}).get("terminated", {}).get("exitCode") == EXIT_REFUSED
+    return any(((state or {}).get("terminated") or {}).get("exitCode") == EXIT_REFUSED
                for container in status.get("containerStatuses") or []
                for state in (container.get("state"), container.get("lastState")))
 

@@ -3,9 +3,9 @@
 `compute_status()` is a pure function of the parsed service, the three Deployments we control
 as the API returns them, the problems of the pass that just wrote the children (a name taken
 by an object we do not control, a child the API server rejected, a pool whose pods refuse the
-spec: refusal.py) and the previous status (only
-to keep `lastTransitionTime` of conditions whose status did not change), so any number of
-event or timer passes converge on one answer: nothing flaps while the cluster stands still.
+spec: refusal.py) and the previous status (only to keep `lastTransitionTime` of conditions
+whose status did not change), so any number of event or timer passes converge on one answer:
+nothing flaps while the cluster stands still.
 """
 
 from __future__ import annotations
