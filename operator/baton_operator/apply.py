@@ -176,8 +176,10 @@ def _removals(last: Mapping[str, Any], desired: Mapping[str, Any],
     for key, before in last.items():
         if key not in live:
             continue
-        if key not in desired:
-            patch[key] = None
+        if key not in desired:  # a map others write into too loses only our keys
+            theirs = isinstance(before, Mapping) and isinstance(live[key], Mapping) and (
+                live[key].keys() - before.keys())
+            patch[key] = _removals(before, {}, live[key]) if theirs else None
         elif isinstance(before, Mapping) and isinstance(desired[key], Mapping) and isinstance(
                 live[key], Mapping):
             sub = _removals(before, desired[key], live[key])

@@ -6,6 +6,8 @@ Every cause runs the same complete pass over the service, reading it afresh:
   ServiceAccount, Role and RoleBinding, a ScaledObject, a PodMonitor), including its deletion, so a
   hand edit or a deleted child is restored within seconds; and any event of an object that
   holds a child's name (a NameConflict clears as soon as it is deleted);
+- a container of a worker pod ending with exit code 2, the runtime's refusal of its
+  configuration (refusal.py): the pass reports it and holds the pool instead of a crash loop;
 - a resync timer, the safety net for anything missed.
 A spec that can never work gets Ready=False/InvalidSpec and a PermanentError (no retries);
 API trouble becomes a TemporaryError and kopf retries after a delay (a child event's pass,
@@ -25,13 +27,15 @@ from typing import Any, cast
 import kopf
 import urllib3
 
-from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, PLURAL, VERSION
+from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, MANAGER, PLURAL, VERSION
+from baton_operator.builders.common import LABEL_INSTANCE, LABEL_MANAGED_BY
 from baton_operator.capabilities import probe
 from baton_operator.config import OperatorConfig
 from baton_operator.gates import Claims, Gates, Retries
 from baton_operator.kube import ApiError, Kube
 from baton_operator.metrics import METRICS
 from baton_operator.reconcile import PassResult, owner_of, run_pass
+from baton_operator.refusal import EXIT_REFUSED
 from baton_operator.status import ready_event
 
 CONFIG = OperatorConfig.from_env()
@@ -111,6 +115,23 @@ def child_handler(kind: str) -> Callable[..., None]:
             _pass_or_retry(memo, namespace, owner)
 
     return child_changed
+
+
+def exited_refused(status: kopf.Status, **_: Any) -> bool:
+    """A container of the pod terminated with the runtime's refusal, now or before its last
+    restart (which of its pools and specs it concerns, the pass decides)."""
+    return any(((state or {}).get("terminated") or {}).get("exitCode") == EXIT_REFUSED
+               for container in status.get("containerStatuses") or []
+               for state in (container.get("state"), container.get("lastState")))
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_MANAGED_BY: MANAGER}, when=exited_refused)
+def pod_refused(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """A pool's pod refuses its configuration: its service's pass reports it now, not at the
+    next resync."""
+    owner = labels.get(LABEL_INSTANCE)
+    if owner is not None and namespace is not None:
+        _pass_or_retry(memo, namespace, owner)
 
 
 def _pass_or_retry(memo: kopf.Memo, namespace: str, name: str) -> None:

@@ -23,6 +23,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",  # read only: why a pool's containers exit (refusal.py)
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
@@ -66,6 +67,14 @@ class Kube:
                 return None
             raise
 
+    def select(self, api_version: str, kind: str, namespace: str,
+               selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        """The objects of `kind` in `namespace` whose labels include `selector`."""
+        labels = ",".join(f"{k}={v}" for k, v in selector.items())
+        found = self._call("GET", _path(api_version, kind, namespace),
+                           query=[("labelSelector", labels)])
+        return list(found.get("items") or [])
+
     def discover(self, group_version: str) -> list[str] | None:
         """The resources (plurals) an API group/version serves; None when it serves none."""
         try:
@@ -97,10 +106,11 @@ class Kube:
         return True
 
     def _call(self, method: str, path: str, body: Any = None,
-              content_type: str = "application/json") -> dict[str, Any]:
+              content_type: str = "application/json",
+              query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         request = self.api.param_serialize(method, path, header_params=headers, body=body,
-                                           auth_settings=["BearerToken"])
+                                           query_params=query, auth_settings=["BearerToken"])
         response = self.api.call_api(*request, _request_timeout=self.timeout)
         data = response.read()
         if not 200 <= response.status < 300:

@@ -2,8 +2,9 @@
 
 No kopf here: these functions take a `Kube` and plain dicts, so the handlers stay thin. A pass
 is complete and repeatable: it tries every child, collects what cannot converge (a name taken
-by someone else, a child the API server rejects) as `Problem`s, and publishes a status that
-depends only on the cluster's state, whichever handler runs it and however often.
+by someone else, a child the API server rejects, a pool whose pods refuse the spec) as
+`Problem`s, and publishes a status that depends only on the cluster's state, whichever handler
+runs it and however often.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from baton_operator.builders.cluster_key import build_cluster_key, ensure_cluste
 from baton_operator.capabilities import Capabilities
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
+from baton_operator.refusal import Refusal, find_refusals, hold
 from baton_operator.spec import ROLES, Images, InferenceService, InvalidSpec, parse_service
 from baton_operator.status import Problem, compute_status, invalid_status, same_status
 
@@ -88,7 +90,9 @@ def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
         result = PassResult(invalid=str(e))
         result.status = publish_invalid(kube, body, str(e))
         return result
-    result = reconcile_children(kube, svc, policy, caps)
+    refusals = find_refusals(kube, svc, caps)
+    result = reconcile_children(kube, svc, policy, caps, refusals)
+    result.problems += [refusal.problem() for refusal in refusals]
     deployments: dict[str, Mapping[str, Any] | None] = {
         role: result.deployments.get(child_name(svc, role)) for role in ROLES}
     extra = autoscaling_condition(svc, caps)
@@ -98,12 +102,14 @@ def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
 
 
 def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy,
-                       caps: Capabilities | None = None) -> PassResult:
-    """Create or restore every wanted child we may write; delete optional ones we own and no
-    longer want. Conflicts and rejections are collected; other API errors propagate."""
+                       caps: Capabilities | None = None, refusals: Sequence[Refusal] = ()
+                       ) -> PassResult:
+    """Create or restore every wanted child we may write (the pools `refusals` hold at 0
+    replicas); delete optional ones we own and no longer want. Conflicts and rejections are
+    collected; other API errors propagate."""
     result = PassResult()
     _ensure_key(kube, svc, result)
-    children = build_children(svc, caps)
+    children = hold(build_children(svc, caps), svc, refusals)
     # The router runs as the ServiceAccount this service owns; no template can name it.
     router = dataclasses.replace(
         policy, service_accounts=policy.service_accounts | {router_account(svc)})

@@ -2,9 +2,10 @@
 
 `compute_status()` is a pure function of the parsed service, the three Deployments we control
 as the API returns them, the problems of the pass that just wrote the children (a name taken
-by an object we do not control, a child the API server rejected) and the previous status (only
-to keep `lastTransitionTime` of conditions whose status did not change), so any number of
-event or timer passes converge on one answer: nothing flaps while the cluster stands still.
+by an object we do not control, a child the API server rejected, a pool whose pods refuse the
+spec: refusal.py) and the previous status (only to keep `lastTransitionTime` of conditions
+whose status did not change), so any number of event or timer passes converge on one answer:
+nothing flaps while the cluster stands still.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from typing import Any
 from baton_operator.spec import ROLES, InferenceService, Role
 
 # Ready=False reasons that need a person (Warning events); the others are progress (Normal).
-PROBLEMS = ("InvalidSpec", "NameConflict")
+PROBLEMS = ("InvalidSpec", "NameConflict", "ModelNotServable")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """Why the children cannot converge: reason is one of PROBLEMS."""
+    """Why the children cannot converge: reason is one of PROBLEMS; `role`: the one pool it
+    is about (its own condition says so too)."""
 
     reason: str
     message: str
+    role: Role | None = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,7 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
         progressing = _condition("Progressing", False, problems[0].reason, message)
     fresh = [
         ready_condition,
-        *(_condition(f"{role.capitalize()}Ready", pool.available, pool.reason, pool.describe())
-          for role, pool in pools.items()),
+        *(_pool_condition(pool, problems) for pool in pools.values()),
         progressing,
         _degraded(failures, lost),
         _disaggregation(svc, pools),
@@ -182,6 +184,14 @@ def _overall(pools: Mapping[Role, PoolState]) -> tuple[bool, str]:
     if not all(pool.ready > 0 for pool in pools.values()):
         return False, "ScaledToZero"
     return True, "AllPoolsReady"
+
+
+def _pool_condition(pool: PoolState, problems: Sequence[Problem]) -> dict[str, Any]:
+    kind = f"{pool.role.capitalize()}Ready"
+    mine = next((p for p in problems if p.role == pool.role), None)
+    if mine is not None:
+        return _condition(kind, False, mine.reason, mine.message)
+    return _condition(kind, pool.available, pool.reason, pool.describe())
 
 
 def _phase(pools: Mapping[Role, PoolState], ready: bool, blocked: bool, failed: bool) -> str:

@@ -4,8 +4,10 @@ Start-up: spawn the scheduler (it loads the model and runs a warm-up forward), l
 start uvicorn; `/ready` turns 200 when the scheduler reports ready. SIGTERM/SIGINT: drain
 (runtime/server/drain.py: new requests and /ready get 503, in-flight ones get
 `--shutdown-grace-s`, then end with the abort finish), then uvicorn stops and the scheduler frees
-its KV and exits; the process exits 0 (1 if the scheduler died). IPC sockets live in a
-directory named after our pid; one left by a killed server is removed at the next start.
+its KV and exits; the process exits 0 (1 if the scheduler died). A checkpoint or split it can
+never serve exits 2 before anything starts, its reason logged and written to the container's
+termination message (runtime/termination.py). IPC sockets live in a directory named after our
+pid; one left by a killed server is removed at the next start.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from runtime.server.args import parse_server_args
 from runtime.server.drain import begin_drain
 from runtime.server.metrics import Metrics
 from runtime.server.tokenizer_manager import TokenizerManager
+from runtime.termination import EXIT_REFUSED, write_termination_message
 
 log = logging.getLogger("baton.server")
 
@@ -121,7 +124,8 @@ def main(argv: list[str]) -> int:
     try:
         return _serve(args, ipc_dir)
     except (UnsupportedArchitecture, UnsupportedQuantization, TPConfigError) as e:
-        log.error("%s", e)
-        return 2
+        log.error("%s", e)  # and where Kubernetes shows it (the operator's ModelNotServable)
+        write_termination_message(str(e))
+        return EXIT_REFUSED
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)

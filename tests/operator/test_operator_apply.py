@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from baton_operator.apply import (
     ATOMIC,
+    LAST_APPLIED,
     TEMPLATE,
     NameConflict,
     check_controller,
@@ -105,6 +106,17 @@ def test_fields_we_stopped_rendering_are_removed_but_replicas_are_handed_to_the_
     patch = removal_patch(before, after, live)
     assert patch == {"spec": {"template": {"spec": {"nodeSelector": None}}}}
     assert restore_patch(live, after).get("spec", {}).get("replicas") is None
+
+
+def test_a_map_we_stopped_rendering_loses_only_our_keys() -> None:
+    """Our annotation goes; the keys others wrote into the same map (the Deployment
+    controller's revision, our own last-applied record) stay."""
+    last = {"metadata": {"annotations": {"baton.dev/not-servable": "{}"}, "labels": {"a": "b"}}}
+    live = {"metadata": {"annotations": {"baton.dev/not-servable": "{}", LAST_APPLIED: "{}",
+                                         "deployment.kubernetes.io/revision": "2"},
+                         "labels": {"a": "b"}}}
+    assert removal_patch(last, {"metadata": {}}, live) == {
+        "metadata": {"annotations": {"baton.dev/not-servable": None}, "labels": None}}
 
 
 def test_only_objects_we_control_are_ours() -> None:

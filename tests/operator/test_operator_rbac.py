@@ -23,9 +23,10 @@ USER = f"system:serviceaccount:{RELEASE_NAMESPACE}:baton-operator"
 # Only for the OwnerReferencesPermissionEnforcement admission plugin (blockOwnerDeletion),
 # which the emulated API does not run: granted, never requested.
 NEVER_REQUESTED = {("update", "baton.dev", "inferenceservices/finalizers")}
-# Held only to grant them to a router's Role: RBAC refuses a Role that grants more than its
-# creator holds (the escalation check, which the emulated API does not run).
-GRANTED_TO_ROUTERS = {(verb, "", "pods") for verb in ("get", "list", "watch")}
+# Held only to grant it to a router's Role (the operator lists and watches pods, it never gets
+# one): RBAC refuses a Role that grants more than its creator holds (the escalation check,
+# which the emulated API does not run).
+GRANTED_TO_ROUTERS = {("get", "", "pods")}
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
         "autoscaling": {"prefill": {"min": 1, "max": 3, "metric": "cpu"},
                         "decode": {"min": 1, "max": 4}}}  # kv: a ScaledObject (KEDA)

@@ -231,6 +231,20 @@ def test_problems_make_one_stable_ready_false_whatever_the_pools_say() -> None:
     assert next(c for c in again["conditions"] if c["type"] == "Ready") == ready
 
 
+def test_a_problem_of_one_pool_is_its_condition_too() -> None:
+    svc = parse_service(body())
+    deps = {"prefill": deployment(0, 0), "decode": deployment(1, 1), "router": deployment(1, 1)}
+    refused = Problem("ModelNotServable", "prefill: unsupported architecture 'X'", role="prefill")
+    status = compute_status(svc, deps, {}, 2, [refused], now="t0")
+    assert status["phase"] == "Failed"
+    assert {kind: conditions(status)[kind] for kind in ("Ready", "PrefillReady", "DecodeReady")} == {
+        "Ready": ("False", "ModelNotServable"), "PrefillReady": ("False", "ModelNotServable"),
+        "DecodeReady": ("True", "ReplicasReady")}
+    prefill = next(c for c in status["conditions"] if c["type"] == "PrefillReady")
+    assert prefill["message"] == refused.message
+    assert ready_event({}, status) == ("Warning", "ModelNotServable", refused.message)
+
+
 def ready(status: str, reason: str) -> dict[str, Any]:
     return {"conditions": [{"type": "Ready", "status": status, "reason": reason,
                             "message": "m"}]}

@@ -107,8 +107,9 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]
-# The router's Role (spec.router.discovery: kubernetes) grants these; RBAC lets only a holder
-# grant a permission (no `escalate`/`bind` needed). The operator itself never reads pods.
+# The operator lists and watches its workers' pods for a refused model (ModelNotServable);
+# the router's Role (spec.router.discovery: kubernetes) grants all three, and RBAC lets only a
+# holder grant a permission (no `escalate`/`bind` needed).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]

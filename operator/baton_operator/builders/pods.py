@@ -44,6 +44,10 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
+# Why a container ended, in the Pod's status: what it wrote to /dev/termination-log (`baton
+# serve`'s refusal, runtime/termination.py), else the tail of its log when it failed. The
+# operator reads it (refusal.py), `kubectl describe pod` shows it.
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 # Writable places for a read-only root filesystem. BATON_CACHE stays the image's own: the builtin
 # model is baked there at build time, and an emptyDir over it would hide it.
 CACHE_ENV: tuple[dict[str, str], ...] = (
@@ -213,6 +217,7 @@ def _container(svc: InferenceService, role: Role, command: list[str], ports: lis
         "livenessProbe": _http_probe("/health", periodSeconds=10, failureThreshold=3,
                                      timeoutSeconds=5),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     if resources:
         container["resources"] = copy.deepcopy(dict(resources))
@@ -250,6 +255,7 @@ def _model_pull(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
         "env": env,
         "volumeMounts": [*_scratch_mounts(), {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
 
 
