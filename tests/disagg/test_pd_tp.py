@@ -1,0 +1,76 @@
+"""PD with tensor parallelism on either side, and different TP on each (runtime/disagg/shares.py,
+ranks_plane.py): real `baton serve` processes with their follower ranks, over tcp with the
+cluster key on, give HF transformers' greedy tokens and logprobs, streamed and not, on the
+sharp tiny Llama (4 heads, 2 KV heads: over 4 ranks each KV head is copied on 2). Each prefill
+rank writes its KV heads into the decode ranks that hold them, on links of its own; the decode
+takes the room only once every rank's share has landed. Every page is freed on every side
+after, and a server's followers leave with it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.disagg.pd import Pair, pd_call, start_pair
+from tests.engine.hf_reference import PROMPTS, Reference, compare, hf_greedy
+from tests.server.test_metrics import metric
+
+pytestmark = pytest.mark.timeout(300)
+MAX_NEW = 12
+# (prefill tp, decode tp): both halves of each decode page from two prefill ranks; each page
+# split in two by one prefill rank; rank to rank; two KV heads copied over 4 ranks each side
+COMBOS = [(2, 1), (1, 2), (2, 2), (4, 2)]
+
+
+@pytest.fixture(scope="module")
+def refs(sharp_tiny_path: Path) -> tuple[list[list[int]], list[Reference]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sharp_tiny_path)
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    return ids, [r.head(MAX_NEW) for r in hf_greedy(sharp_tiny_path, ids, MAX_NEW)]
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"p{p}-d{d}" for p, d in COMBOS])
+def pair(request: pytest.FixtureRequest, sharp_tiny_path: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p_tp, d_tp = request.param
+    p = start_pair(tmp_path_factory.mktemp(f"pd-tp-{p_tp}-{d_tp}"), "tcp",
+                   "--kv-canary", "raise", model=str(sharp_tiny_path),
+                   prefill_extra=("--tp", str(p_tp)), decode_extra=("--tp", str(d_tp)))
+    yield p
+    p.stop()
+
+
+def _body(ids: list[int], pair: Pair, stream: bool) -> dict[str, Any]:
+    return {"input_ids": ids, "stream": stream, "return_logprob": True,
+            **pair.fields(prompt={"input_ids": ids}),
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}}
+
+
+def test_pd_over_ranks_equals_hf(pair: Pair, refs: tuple[list[list[int]], list[Reference]]) -> None:
+    ids, want = refs
+
+    async def run() -> list[tuple[httpx.Response, Any]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*[pd_call(http, pair, "/generate", _body(x, pair, False))
+                                          for x in ids])
+
+    for (prefill, decoded), ref in zip(asyncio.run(run()), want, strict=True):
+        assert prefill.status_code == 200, prefill.text
+        assert isinstance(decoded, dict), decoded.text
+        logprobs = [lp for lp, _ in decoded["meta_info"]["output_token_logprobs"]]
+        note = compare(decoded["output_ids"], ref, logprobs)
+        assert note is None, note  # the sharp model has margins: no near-tie expected
+    for srv in (pair.prefill, pair.decode):
+        stats = httpx.get(f"{srv.url}/debug/stats").json()
+        assert stats["kv_all_free"], f"{srv.url} holds KV after all requests finished: {stats}"
+    for srv in (pair.prefill, pair.decode):  # the canary's tags checked on arrival, all clean
+        text = httpx.get(f"{srv.url}/metrics").text
+        assert metric(text, "baton_kv_canary_checks_total") > 0, srv.url
+        assert "baton_kv_canary_violations_total{" not in text, srv.url
