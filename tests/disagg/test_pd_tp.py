@@ -9,6 +9,8 @@ after, and a server's followers leave with it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,14 @@ import pytest
 from tests.disagg.pd import Pair, pd_call, start_pair
 from tests.engine.hf_reference import PROMPTS, Reference, compare, hf_greedy
 from tests.server.test_metrics import metric
+from tests.server.test_tp_serve import ends, followers
 
 pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 12
 # (prefill tp, decode tp): both halves of each decode page from two prefill ranks; each page
-# split in two by one prefill rank; rank to rank; two KV heads copied over 4 ranks each side
-COMBOS = [(2, 1), (1, 2), (2, 2), (4, 2)]
+# split in two by one prefill rank; two KV heads copied over 4 prefill ranks, of which ranks 0
+# and 2 send, rank to rank (equal TP is that case's simplest form)
+COMBOS = [(2, 1), (1, 2), (4, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +78,28 @@ def test_pd_over_ranks_equals_hf(pair: Pair, refs: tuple[list[list[int]], list[R
         text = httpx.get(f"{srv.url}/metrics").text
         assert metric(text, "baton_kv_canary_checks_total") > 0, srv.url
         assert "baton_kv_canary_violations_total{" not in text, srv.url
+
+
+def test_a_dead_decode_rank_ends_its_server_and_the_prefill_frees_the_room(
+        sharp_tiny_path: Path, tmp_path: Path, refs: tuple[list[list[int]], list[Reference]]) -> None:
+    """A decode follower SIGKILLed: the decode server and its ranks are gone in bounded time;
+    the prefill's room, which no decode asks for now, fails within its bootstrap timeout, its
+    pages are freed, and the prefill serves on."""
+    pair = start_pair(tmp_path, "tcp", model=str(sharp_tiny_path),
+                      prefill_extra=("--bootstrap-timeout-s", "3"), decode_extra=("--tp", "2"))
+    try:
+        ranks, sched = followers(pair.decode), pair.decode.scheduler_pid()
+        assert len(ranks) == 1
+        ids = refs[0][0]
+        fields = pair.fields(prompt={"input_ids": ids})  # the ticket names the decode, alive
+        os.kill(ranks[0], signal.SIGKILL)
+        assert ends(pair.decode, [sched, *ranks]) != 0
+        resp = httpx.post(f"{pair.prefill.url}/generate", timeout=60, json={
+            "input_ids": ids, **fields,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}})
+        assert "no decode server asked for room" in resp.text, resp.text
+        stats = httpx.get(f"{pair.prefill.url}/debug/stats").json()
+        assert stats["kv_all_free"], stats
+        assert httpx.get(f"{pair.prefill.url}/health").status_code == 200
+    finally:
+        pair.stop()
