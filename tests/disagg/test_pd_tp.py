@@ -22,13 +22,14 @@ from tests.disagg.pd import Pair, pd_call, start_pair
 from tests.engine.hf_reference import PROMPTS, Reference, compare, hf_greedy
 from tests.server.test_metrics import metric
 from tests.server.test_tp_serve import ends, followers
+from tests.up_process import Up
 
 pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 12
-# (prefill tp, decode tp): both halves of each decode page from two prefill ranks; each page
-# split in two by one prefill rank; two KV heads copied over 4 prefill ranks, of which ranks 0
-# and 2 send, rank to rank (equal TP is that case's simplest form)
-COMBOS = [(2, 1), (1, 2), (4, 2)]
+# (prefill tp, decode tp): each page split in two by one prefill rank; two KV heads copied over
+# 4 prefill ranks, of which ranks 0 and 2 send, rank to rank (equal TP is that case's simplest
+# form). Both halves of each decode page from two prefill ranks: through `baton up`, below.
+COMBOS = [(1, 2), (4, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,25 @@ def test_a_dead_decode_rank_ends_its_server_and_the_prefill_frees_the_room(
         assert httpx.get(f"{pair.prefill.url}/health").status_code == 200
     finally:
         pair.stop()
+
+
+def test_baton_up_pairs_a_two_rank_prefill_with_a_one_rank_decode(
+        sharp_tiny_path: Path, tmp_path: Path, refs: tuple[list[list[int]], list[Reference]]) -> None:
+    """`baton up --prefill-tp 2 --decode-tp 1`: the router pairs the two (any TP pairs with any),
+    /debug/pairs shows each side's TP, and /generate through it gives HF's tokens and
+    logprobs: both halves of each decode page come from the two prefill ranks."""
+    up = Up(sharp_tiny_path, tmp_path, "--prefill-tp", "2", "--decode-tp", "1",
+            "--kv-transfer", "tcp", "--", "--kv-canary", "raise")
+    try:
+        up.wait_up()
+        ids, want = refs
+        for x, ref in zip(ids, want, strict=True):
+            out = httpx.post(f"{up.url}/generate", timeout=60, json={
+                "input_ids": x, "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}}).json()
+            logprobs = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+            assert compare(out["output_ids"], ref, logprobs) is None
+        (pair,) = httpx.get(f"{up.url}/debug/pairs").json()["pairs"]
+        assert (pair["prefill_tp"], pair["decode_tp"], pair["succeeded"]) == (2, 1, len(ids))
+    finally:
+        up.close()
