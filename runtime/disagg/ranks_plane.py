@@ -66,6 +66,16 @@ def open_followers(ranks: RankCalls, role: str, name: str, layout: KVLayout, bac
     return [[advertise, int(port)] for port in ports] if role == "decode" else []
 
 
+def close_links_everywhere(ranks: RankCalls) -> Callable[[str], None]:
+    """What decode rank 0's receiver does when it breaks off a prefill's links (declared gone):
+    every follower's receiver breaks off that prefill's links too, so no share of its stays
+    landing there (a frozen prefill's would hold its room's pages)."""
+    def close(prefill: str) -> None:
+        for rank in ranks.followers:
+            ranks.call(rank, "close_links", prefill)
+    return close
+
+
 def _answer(future: Future[Any], rank: int, what: str) -> Any:
     try:
         return future.result(CALL_TIMEOUT_S)
@@ -215,6 +225,10 @@ class FollowerPlane:
 
     def discard(self, room: int) -> None:
         self.fence.discard(room)
+
+    def close_links(self, prefill: str) -> None:
+        if self.receiver is not None:
+            self.receiver.close_links(prefill)
 
     def write(self, room: int, peer: dict[str, Any], src_pages: list[int], dst_pages: list[int],
               shares: list[Share]) -> int:

@@ -133,6 +133,10 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
     transfer = plane.transfer
     receiver = KVReceiver(args.host, args.disagg.kv_port, transfer, plane.key, plane.name, wake,
                           plane.tally)
+    if plane.ranks is not None:
+        from runtime.disagg.ranks_plane import close_links_everywhere
+
+        receiver.also_close = close_links_everywhere(plane.ranks)
     warn_if_open(plane.key, f"decode {plane.name} (KV port {receiver.port})")
     me = PeerRegistration(plane.name, advertise_host(args), receiver.port, asdict(plane.layout),
                           transfer.name, transfer.local_info(), plane.rank_receivers)

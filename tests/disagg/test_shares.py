@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.disagg.fence import WriteFence
-from runtime.disagg.ranks_plane import LeaderFence
+from runtime.disagg.ranks_plane import LeaderFence, close_links_everywhere
 from runtime.disagg.shares import Share, Split, head_slice, plan, sources
 from runtime.disagg.transfer.base import TransferError
 from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame, PeerRegistration
@@ -119,7 +119,8 @@ class FakeRanks:
     def __init__(self, size: int) -> None:
         self.size = size
         self.log: list[tuple[int, str, tuple[Any, ...]]] = []
-        self.answers: dict[str, Any] = {"expect": None, "revoke": True, "discard": None}
+        self.answers: dict[str, Any] = {"expect": None, "revoke": True, "discard": None,
+                                        "close_links": None}
         self.on_event: Any = None
 
     @property
@@ -177,3 +178,9 @@ def test_a_follower_that_cannot_take_the_room_fails_the_binding_by_name() -> Non
     fence.expect(7, [5], P)
     with pytest.raises(TransferError, match="TP rank 1 could not take room 7"):
         fence.bind_peer(7, P, plan(Split(1, 2), Split(2, 2)))
+
+
+def test_a_prefill_declared_gone_loses_its_links_to_every_decode_rank() -> None:
+    ranks = FakeRanks(3)
+    close_links_everywhere(ranks)(P)
+    assert ranks.log == [(1, "close_links", (P,)), (2, "close_links", (P,))]
