@@ -1,6 +1,7 @@
 """`baton up`: a local disaggregated deployment — router + prefill and decode pools as processes.
 
-    baton up [--model M] [--prefill N] [--decode M] [--port 8000] [--kv-transfer nixl|tcp]
+    baton up [--model M] [--prefill N] [--decode M] [--prefill-tp N] [--decode-tp M] [--port 8000]
+             [--kv-transfer nixl|tcp]
              [--host 127.0.0.1] [--log-dir DIR] [-- extra `baton serve` flags]
 
 Every worker runs `baton serve --role prefill|decode` on a free port (prefill also on a free
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="builtin:smollm2-135m", help="HF folder or builtin:NAME")
     p.add_argument("--prefill", type=int, default=1, help="prefill servers (default: 1)")
     p.add_argument("--decode", type=int, default=1, help="decode servers (default: 1)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism of each prefill server (default: 1)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism of each decode server (default: 1; any TP pairs "
+                   "with any other)")
     p.add_argument("--host", default="127.0.0.1", help="where everything listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
     p.add_argument("--kv-transfer", choices=["nixl", "tcp"], default="nixl")
@@ -129,6 +135,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         parser.error("--prefill and --decode must be >= 1")
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        parser.error("--prefill-tp and --decode-tp must be >= 1")
+    if max(args.prefill_tp, args.decode_tp) > 1 and args.kv_transfer != "tcp":
+        parser.error(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: servers with "
+                     "several ranks move KV over --kv-transfer tcp for now")
     if not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
     return args, extra
@@ -147,9 +158,12 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
     key = {API_KEY_ENV: args.api_key, ADMIN_ENV: args.api_key} \
         if getattr(args, "api_key", None) else {}
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        tp = getattr(args, f"{role}_tp", 1)
         for i in range(count):
             port = next(ports)
             cmd = [*baton, "serve", "--role", role, "--port", str(port), *common]
+            if tp > 1:
+                cmd += ["--tp", str(tp)]
             child = Child(f"{role}-{i}", cmd, f"http://{args.host}:{port}", log_dir / f"{role}-{i}.log",
                           env=dict(key))
             if role == "prefill":
@@ -157,7 +171,9 @@ def plan(args: argparse.Namespace, extra: list[str], log_dir: Path) -> list[Chil
                 child.cmd += ["--bootstrap-port", str(child.extra["bootstrap_port"])]
             else:  # a decode that drains hands its streams' KV to another (runtime/disagg/move.py)
                 # on any free port: the decode names it to the router when it moves a stream
-                child.cmd += ["--kv-port", str(next(ports)), "--move-kv-on-drain",
+                # (with several ranks each listens on a free port of its own)
+                kv_port = next(ports) if tp == 1 else 0
+                child.cmd += ["--kv-port", str(kv_port), "--move-kv-on-drain",
                               "--bootstrap-port", "0"]
             children.append(child)
     router = [*baton, "router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
@@ -332,7 +348,8 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"baton up: {args.prefill} prefill + {args.decode} decode + router, model "
+    print(f"baton up: {args.prefill} prefill (tp {args.prefill_tp}) + {args.decode} decode "
+          f"(tp {args.decode_tp}) + router, model "
           f"{args.model}, KV transfer {args.kv_transfer}; logs in {log_dir}", flush=True)
     try:
         # one cluster key for the router and workers (yours if $BATON_CLUSTER_KEY is set): room

@@ -10,15 +10,26 @@ pass our receiver (tcp) asks `admit` before a write and says `landed` after; a o
 (nixl) cannot ask, and the decode role waits for the prefill's word instead.
 `on_arrival` (the scheduler loop's wake-up) is called, from whichever thread saw it, when a
 room's KV is in place or a revoked room's write is over.
+
+Under tensor parallelism (runtime/disagg/shares.py) a room's pages on one rank may be written by
+several prefill ranks, each its share of the KV heads, each on its own link: `bind_peer` names
+those `sources`, and each is admitted and lands on its own. The RoomDone comes on prefill rank
+0's link behind its share only, so when it finds another share still to land, its aux record
+waits (`done`) until the last one has. The decode's rank 0 also waits for its other ranks
+(`others`: their fences, runtime/disagg/ranks_plane.py, report their shares in place) and, on
+revoke, for each to confirm that no write is landing there (`unclosed`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from runtime.disagg.shares import Share, sources
 from runtime.disagg.wire import AuxRecord
+
+ONE = frozenset({0})  # one prefill rank writes every head of the page
 
 
 @dataclass
@@ -29,14 +40,22 @@ class _Expected:
     pages: list[int]
     given: str | None  # the prefill named by `expect` (the ticket's), if any
     peer: str | None  # None until the prefill's instance id is known (bind_peer)
-    landing: bool = False  # tcp: the receiver is filling its pages right now
-    written: bool = False  # tcp: a write filled every page (its RoomDone may count)
+    sources: frozenset[int] = ONE  # the prefill ranks whose shares land here
+    landing: set[int] = field(default_factory=set)  # tcp: sources filling their share now
+    written: set[int] = field(default_factory=set)  # tcp: sources whose share filled every page
     revoked: bool = False  # the room ended: no write for it is admitted any more
+    done: AuxRecord | None = None  # its RoomDone, come before another link's share landed
+    others: set[int] = field(default_factory=set)  # rank 0: other ranks still waiting for KV
+    unclosed: set[int] = field(default_factory=set)  # rank 0, revoked: ranks yet to close
+
+    def complete(self) -> bool:
+        return self.sources <= self.written and not self.others
 
 
 class WriteFence:
-    def __init__(self, on_arrival: Callable[[], None] = lambda: None) -> None:
-        self.on_arrival = on_arrival
+    def __init__(self, on_arrival: Callable[[], None] = lambda: None, rank: int = 0) -> None:
+        """`rank`: which of the decode's TP ranks this fence guards."""
+        self.on_arrival, self.rank = on_arrival, rank
         self._rooms: dict[int, _Expected] = {}
         self._arrived: dict[int, AuxRecord] = {}
         self._lock = threading.Lock()
@@ -57,15 +76,18 @@ class WriteFence:
             self._expecting.clear()
         return bool(self._rooms)
 
-    def bind_peer(self, room: int, peer: str) -> bool:
-        """Name the prefill that may write `room` if none is named yet; False when the room is
-        revoked or another prefill is named (the caller must not hand it the pages)."""
+    def bind_peer(self, room: int, peer: str, shares: list[Share] | None = None) -> bool:
+        """Name the prefill that may write `room` if none is named yet, and which of its ranks
+        write here (`shares`: the room's, when either side has several ranks); False when the
+        room is revoked or another prefill is named (the caller must not hand it the pages)."""
         with self._lock:
             e = self._rooms.get(room)
             if e is None or e.revoked:
                 return False
             if e.peer is None:
                 e.peer = peer
+            if e.peer == peer and not e.landing:
+                e.sources = ONE if shares is None else sources(shares, self.rank)
             return e.peer == peer
 
     def unbind_peer(self, room: int) -> None:
@@ -81,24 +103,37 @@ class WriteFence:
             e = self._rooms.get(room)
             return e.peer if e is not None else None
 
-    def admit(self, room: int, pages: list[int], peer: str) -> bool:
-        """A write of `pages` for `room` from `peer` may start: mark it landing (tcp)."""
+    def admit(self, room: int, pages: list[int], peer: str, source: int = 0) -> bool:
+        """A write of `pages` for `room` from `peer`'s rank `source` may start: mark it
+        landing (tcp)."""
         with self._lock:
             e = self._rooms.get(room)
-            if e is None or e.revoked or e.landing or e.peer != peer or e.pages != pages:
+            if (e is None or e.revoked or source in e.landing or e.peer != peer
+                    or e.pages != pages or source not in e.sources):
                 return False
-            e.landing = True
+            e.landing.add(source)
             return True
 
-    def landed(self, room: int, complete: bool) -> None:
+    def landed(self, room: int, complete: bool, source: int = 0) -> None:
         """The write `admit` let in is over: `complete`, or broken off."""
         with self._lock:
             e = self._rooms.get(room)
             if e is not None:
-                e.landing, e.written = False, complete
-            revoked = e is not None and e.revoked
-        if revoked:
-            self.on_arrival()  # the decode role may free the pages now
+                e.landing.discard(source)
+                if complete:
+                    e.written.add(source)
+                else:
+                    e.written.discard(source)
+            wake = e is not None and (e.revoked or self._release(room, e))
+        if wake:
+            self.on_arrival()  # the decode role may free the pages now, or take the KV
+
+    def _release(self, room: int, e: _Expected) -> bool:
+        """Under the lock: a waiting RoomDone's room is now complete: it arrives."""
+        if e.done is None or not e.complete() or e.revoked:
+            return False
+        self._arrived[room], e.done = e.done, None
+        return True
 
     def arrive(self, aux: AuxRecord, peer: str, written: bool = False) -> bool:
         """Every page of `aux.room` is in place: keep its aux record if the room is expected
@@ -107,10 +142,13 @@ class WriteFence:
         kept too: for a one-sided backend it is the proof that its write is over."""
         with self._lock:
             e = self._rooms.get(aux.room)
-            if e is None or e.peer != peer or aux.room in self._arrived:
+            if e is None or e.peer != peer or aux.room in self._arrived or e.done is not None:
                 return False
-            if written and not e.written:
+            if written and 0 not in e.written:  # rank 0's share came first on this link
                 return False
+            if written and not e.complete():
+                e.done = aux  # another link's share is still to land
+                return True
             self._arrived[aux.room] = aux
         self.on_arrival()
         return True
@@ -128,7 +166,7 @@ class WriteFence:
             if e is None:
                 return True
             e.revoked = True
-            return not e.landing
+            return not e.landing and not e.unclosed
 
     def discard(self, room: int) -> None:
         """Forget `room` (it ended and its pages are freed or handed to the scheduler)."""

@@ -19,6 +19,7 @@ import httpx
 from runtime.auth.key import ClusterKey
 from runtime.auth.signed import sign_call
 from runtime.disagg.rooms import RoomInUse
+from runtime.disagg.shares import Split, plan
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import KVLayout, PeerRegistration, RoomRequest
 from runtime.errors import error_message
@@ -41,7 +42,8 @@ class PrefillClient:
         self.key = key  # signs every state-changing call (runtime/auth/signed.py)
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S)
         self.heartbeat_s = min(heartbeat_s, HTTP_TIMEOUT_S)  # an answer later than this: a miss
-        self.registered: dict[Address, str] = {}  # prefill address -> its instance id
+        self.registered: dict[Address, tuple[str, int]] = {}  # prefill address -> its instance
+        # id and TP size
         self._lock = threading.Lock()
 
     def register_room(self, addr: Address, request: RoomRequest) -> str:
@@ -50,8 +52,11 @@ class PrefillClient:
         the pages). Raises RoomInUse, TransferError (it refused or cannot be reached, or the
         room ended meanwhile: nothing will be written) or Ambiguous."""
         for attempt in range(2):
-            instance = self._ensure_registered(addr)
-            if not self.transfer.fence.bind_peer(request.room, instance):
+            instance, tp = self._ensure_registered(addr)
+            shares = None  # one rank each side: the whole page from the one prefill rank
+            if tp > 1 or self.transfer.split.tp > 1:
+                shares = plan(Split(tp, self.transfer.split.kv_heads), self.transfer.split)
+            if not self.transfer.fence.bind_peer(request.room, instance, shares):
                 named = self.transfer.fence.peer_of(request.room)
                 if named is not None and named != instance and attempt == 0:
                     self.forget(addr)  # the ticket names a newer instance: look again
@@ -90,8 +95,9 @@ class PrefillClient:
         except httpx.HTTPError:
             return False
 
-    def _ensure_registered(self, addr: Address) -> str:
-        """The instance id of the prefill at `addr`, introducing ourselves first if needed."""
+    def _ensure_registered(self, addr: Address) -> tuple[str, int]:
+        """The instance id and TP size of the prefill at `addr`, introducing ourselves first if
+        needed."""
         with self._lock:
             if addr in self.registered:
                 return self.registered[addr]
@@ -112,10 +118,12 @@ class PrefillClient:
             raise TransferError(
                 f"prefill {_url(addr)} refused this decode server: {error_message(resp)}"
             )
-        instance = str(info.get("instance_id"))
+        instance, tp = str(info.get("instance_id")), info.get("tp", 1)
+        if type(tp) is not int or not 1 <= tp <= 4096:
+            raise TransferError(f"prefill {_url(addr)} says its TP size is {tp!r}")
         with self._lock:
-            self.registered[addr] = instance
-        return instance
+            self.registered[addr] = instance, tp
+        return instance, tp
 
     def forget(self, addr: Address) -> None:
         with self._lock:

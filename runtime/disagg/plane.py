@@ -6,14 +6,15 @@ runtime/disagg/fence.py), the cluster key that signs and checks every call and l
 KV-plane events, and the KV canary's hand-off checks when the canary is on. The roles
 (runtime/disagg/prefill.py, decode.py) take a plane and open their servers in `start()`; whoever
 opened the plane closes it, after the roles (runtime/scheduler/process.py). A server with several
-ranks has a plane per rank: each over its own pool.
+ranks has a plane per rank, each over its own pool: rank 0's holds the others' receivers
+(`rank_receivers`) and reaches them through `ranks` (runtime/disagg/ranks_plane.py).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runtime.auth.key import ClusterKey, load_cluster_key
 from runtime.canary.handoff import HandoffCanary
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from runtime.canary.guard import CanaryGuard
     from runtime.canary.monitor import CanaryMonitor
     from runtime.config import ServerArgs
+    from runtime.disagg.ranks_plane import RankCalls
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class KVPlane:
     key: ClusterKey = field(default_factory=ClusterKey.none)
     tally: Tally = field(default_factory=Tally)  # KV-plane events, counted on server threads
     canary: HandoffCanary | None = None  # the KV canary's tags and sums travel with the pages
+    ranks: RankCalls | None = None  # the other TP ranks' planes (None: one rank)
+    rank_receivers: list[list[Any]] = field(default_factory=list)  # decode: ranks 1.., [host, port]
 
     @property
     def name(self) -> str:
@@ -56,15 +60,29 @@ class KVPlane:
 
 
 def open_plane(args: ServerArgs, pool: KVPool, wake: Callable[[], None],
-               canary: CanaryGuard | None = None, monitor: CanaryMonitor | None = None) -> KVPlane:
+               canary: CanaryGuard | None = None, monitor: CanaryMonitor | None = None,
+               ranks: RankCalls | None = None, kv_heads: int | None = None,
+               advertise: str = "127.0.0.1") -> KVPlane:
     """The plane of a prefill or decode server over `pool`: its fence wakes the scheduler loop
     (`wake`) when KV arrives; with the runner's KV canary (`canary`, and the scheduler's
-    `monitor`), the canary's tags travel with the pages and the layout says so."""
+    `monitor`), the canary's tags travel with the pages and the layout says so. Under TP
+    (`ranks`: the followers; the model's `kv_heads`), every follower opens its own plane too,
+    a decode's receivers advertised as `advertise`."""
     key = load_cluster_key(args.disagg.cluster_key_file)
     name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"
-    layout, handoff = layout_of(pool), None
+    tp = args.engine.tp if ranks is not None else 1
+    layout, handoff = layout_of(pool, tp, kv_heads), None
     if canary is not None and monitor is not None:
         handoff = HandoffCanary(canary, monitor, pool.page_size)
         layout = replace(layout, canary_tags=True, canary_bytes=args.canary.kv_canary_bytes)
-    transfer = create_transfer(args.disagg.kv_transfer, pool, name, WriteFence(wake), layout)
-    return KVPlane(transfer, key, Tally(), handoff)
+    if ranks is None:
+        transfer = create_transfer(args.disagg.kv_transfer, pool, name, WriteFence(wake), layout)
+        return KVPlane(transfer, key, Tally(), handoff)
+    from runtime.disagg.ranks_plane import LeaderFence, open_followers
+
+    receivers = open_followers(ranks, args.role, name, layout, args.disagg.kv_transfer,
+                               (args.host, args.disagg.kv_port), advertise,
+                               args.disagg.cluster_key_file)
+    transfer = create_transfer(args.disagg.kv_transfer, pool, name, LeaderFence(wake, ranks),
+                               layout)
+    return KVPlane(transfer, key, Tally(), handoff, ranks, receivers)

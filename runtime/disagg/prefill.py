@@ -110,7 +110,8 @@ class PrefillRole(Generic[R]):
     def route(self) -> dict[str, Any] | None:
         if not self.ready:
             return None
-        return {"instance_id": self.instance_id, **self.transfer.describe()}
+        return {"instance_id": self.instance_id, "tp": self.transfer.layout.tp_size,
+                **self.transfer.describe()}
 
     def register_peer(self, peer: PeerRegistration) -> dict[str, Any]:
         problem = self.transfer.layout.mismatch(peer.kv_layout)

@@ -46,8 +46,12 @@ MIN_WAIT_S = 0.5  # an unproven link this old may be closed for a newcomer
 
 class KVReceiver:
     def __init__(self, host: str, port: int, transfer: KVTransfer, key: ClusterKey,
-                 decode_id: str, wake: Callable[[], None], tally: Tally) -> None:
+                 decode_id: str, wake: Callable[[], None], tally: Tally,
+                 also_close: Callable[[str], None] = lambda prefill: None) -> None:
+        """`also_close(prefill)`: break off that prefill's links elsewhere too (the other TP
+        ranks' receivers)."""
         self.transfer, self.key, self.decode_id = transfer, key, decode_id
+        self.also_close = also_close
         self.wake, self.tally = wake, tally
         self.failed: queue.SimpleQueue[tuple[str, RoomFailed]] = queue.SimpleQueue()
         try:
@@ -153,6 +157,7 @@ class KVReceiver:
         for sock in links:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        self.also_close(prefill)
 
     def close(self) -> None:
         self.closed = True

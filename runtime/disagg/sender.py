@@ -8,6 +8,10 @@ registered decode with our cluster key. A link that fails is dropped and the nex
 reconnects (a decode that restarted on the same address is found again). Each write first
 `claim`s its room (the prefill role refuses a cancelled or expired one); `close` waits for the
 writes under way (up to CLOSE_WAIT_S) so none outlives the role.
+When either side has several TP ranks (runtime/disagg/shares.py), a room moves as shares: each
+prefill rank writes its KV heads to the decode ranks that hold them, on a link per decode rank
+(`write_shares`; rank 0 has its followers write theirs through `ranks`,
+runtime/disagg/ranks_plane.py), and the RoomDone follows on rank 0's link once all are written.
 """
 
 from __future__ import annotations
@@ -19,12 +23,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from runtime.auth.key import ClusterKey
 from runtime.disagg.handshake import open_link
+from runtime.disagg.shares import Share, Split, plan
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomFailed, send_frame
+from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomDone, RoomFailed, send_frame
+
+if TYPE_CHECKING:
+    from runtime.disagg.ranks_plane import RankCalls
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +61,12 @@ class _Link:
 
 
 class KVSender:
-    def __init__(self, transfer: KVTransfer, key: ClusterKey, workers: int = 2) -> None:
-        self.transfer, self.key = transfer, key
+    def __init__(self, transfer: KVTransfer, key: ClusterKey, workers: int = 2,
+                 ranks: RankCalls | None = None) -> None:
+        """`ranks`: rank 0's followers, when this server has several TP ranks."""
+        self.transfer, self.key, self.ranks = transfer, key, ranks
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-sender")
-        self.links: dict[str, _Link] = {}
+        self.links: dict[tuple[str, int], _Link] = {}  # (decode id, its rank) -> link
         self._lock = threading.Lock()
         self._idle = threading.Condition()
         self._writing = 0
@@ -97,10 +108,55 @@ class KVSender:
     def _write(self, peer: PeerRegistration, link: _Link, src_pages: list[int],
                dst_pages: list[int], aux: AuxRecord) -> int:
         try:
-            return self.transfer.write(peer.decode_id, link.sock, src_pages, dst_pages, aux)
+            if self.transfer.layout.tp_size == 1 and peer.kv_layout.tp_size == 1:
+                return self.transfer.write(peer.decode_id, link.sock, src_pages, dst_pages, aux)
+            return self._write_ranks(peer, link, src_pages, dst_pages, aux)
         except (OSError, TransferError):
-            self._drop(peer.decode_id, link)
+            self._drop((peer.decode_id, 0), link)
             raise
+
+    def _write_ranks(self, peer: PeerRegistration, link: _Link, src_pages: list[int],
+                     dst_pages: list[int], aux: AuxRecord) -> int:
+        """Every rank's shares of the room, then its RoomDone on rank 0's link (held)."""
+        layout = peer.kv_layout
+        shares = plan(self.transfer.split, Split(layout.tp_size, layout.num_kv_heads))
+        writers = sorted({s.src for s in shares} - {0})
+        assert self.ranks is not None or not writers
+        calls = {r: self.ranks.call(r, "write", aux.room, asdict(peer), src_pages, dst_pages,  # type: ignore[union-attr]
+                                    [s for s in shares if s.src == r]) for r in writers}
+        error: BaseException | None = None
+        try:
+            nbytes = self.write_shares(peer, aux.room, src_pages, dst_pages,
+                                       [s for s in shares if s.src == 0], link)
+        except (OSError, TransferError) as e:
+            error, nbytes = e, 0
+        for r, call in calls.items():  # every rank's write is over before the room's fate is told
+            try:
+                nbytes += call.result(SEND_TIMEOUT_S)
+            except Exception as e:
+                error = error or TransferError(f"prefill TP rank {r} did not write its KV: {e}")
+        if error is not None:
+            raise error
+        send_frame(link.sock, RoomDone(aux))  # behind rank 0's shares; the others' are written
+        return nbytes
+
+    def write_shares(self, peer: PeerRegistration, room: int, src_pages: list[int],
+                     dst_pages: list[int], shares: list[Share], held: _Link | None = None) -> int:
+        """This rank's `shares` of a room, each on its decode rank's link (`held`: rank 0's,
+        whose lock the caller holds). Returns the bytes moved."""
+        nbytes = 0
+        for share in shares:
+            if share.dst == 0 and held is not None:
+                nbytes += self.transfer.write_share(held.sock, room, src_pages, dst_pages, share)
+                continue
+            link = self._link(peer, share.dst)
+            with link.lock:
+                try:
+                    nbytes += self.transfer.write_share(link.sock, room, src_pages, dst_pages, share)
+                except (OSError, TransferError):
+                    self._drop((peer.decode_id, share.dst), link)
+                    raise
+        return nbytes
 
     def _notify(self, peer: PeerRegistration, frame: RoomFailed) -> None:
         try:
@@ -110,22 +166,25 @@ class KVSender:
         except (OSError, TransferError) as e:
             log.info("could not tell %s that room %d failed: %s", peer.decode_id, frame.room, e)
 
-    def _link(self, peer: PeerRegistration) -> _Link:
+    def _link(self, peer: PeerRegistration, rank: int = 0) -> _Link:
+        """The link to decode rank `rank` of `peer` (opened and proven on first use)."""
+        key = (peer.decode_id, rank)
         with self._lock:
-            link = self.links.get(peer.decode_id)
+            link = self.links.get(key)
         if link is not None:
             return link
-        sock = self._open(peer)
+        sock = self._open(peer, rank)
         with self._lock:
-            link = self.links.setdefault(peer.decode_id, _Link(sock, threading.Lock()))
+            link = self.links.setdefault(key, _Link(sock, threading.Lock()))
         if link.sock is not sock:
             sock.close()
         return link
 
-    def _open(self, peer: PeerRegistration) -> socket.socket:
-        """A new link to `peer`, proven. A receiver under a flood of unproven connections may
-        close ours to make room (runtime/disagg/receiver.py): tried LINK_TRIES times."""
-        addr = (peer.receiver_host, peer.receiver_port)
+    def _open(self, peer: PeerRegistration, rank: int) -> socket.socket:
+        """A new link to `peer`'s rank `rank`, proven. A receiver under a flood of unproven
+        connections may close ours to make room (runtime/disagg/receiver.py): tried LINK_TRIES
+        times."""
+        addr = peer.receiver(rank)
         for attempt in range(1, LINK_TRIES + 1):
             try:
                 sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
@@ -145,11 +204,11 @@ class KVSender:
                 time.sleep(backoff)
         raise AssertionError("unreachable")
 
-    def _drop(self, decode_id: str, link: _Link) -> None:
+    def _drop(self, key: tuple[str, int], link: _Link) -> None:
         link.dropped = True
         with self._lock:
-            if self.links.get(decode_id) is link:
-                del self.links[decode_id]
+            if self.links.get(key) is link:
+                del self.links[key]
         link.sock.close()
 
     def close(self) -> None:

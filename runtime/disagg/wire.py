@@ -53,22 +53,24 @@ def _pages(where: str, pages: list[int]) -> None:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What must match for one server's KV pages to be copied into another's."""
+    """What must match for one server's KV pages to be copied into another's, and how its ranks
+    split the KV heads (`tp_size`: any TP pairs with any other, runtime/disagg/shares.py)."""
 
     num_layers: int
     page_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's (a rank holds its share: shares.Split)
     head_dim: int
     dtype: str
     # KV canary (docs/kv-canary.md): slot tags travel in the aux record; byte checksums of the
     # slots too unless "none". Both sides must agree, or one would send what the other ignores.
     canary_tags: bool = False
     canary_bytes: str = "none"
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         check_types(self)
         for name, most in (("num_layers", 4096), ("page_size", 4096), ("num_kv_heads", 4096),
-                           ("head_dim", 4096)):
+                           ("head_dim", 4096), ("tp_size", 4096)):
             in_range(f"KVLayout.{name}", getattr(self, name), 1, most)
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype: {self.dtype!r} is not one of {DTYPES}")
@@ -78,20 +80,31 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page: K and V of every layer (the page-major pool's unit)."""
+        """Bytes of one page of every KV head: K and V of every layer (a page-major pool's unit
+        when there is one rank)."""
+        return self.head_bytes * self.num_kv_heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head's part of a page."""
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.page_size * self.head_dim * itemsize
+
+    def pairing(self) -> dict[str, Any]:
+        """The fields that must match (all but the TP size)."""
+        return {k: v for k, v in asdict(self).items() if k != "tp_size"}
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if pages can move between the two; else what differs, for an error message."""
-        mine, theirs = asdict(self), asdict(other)
+        mine, theirs = self.pairing(), other.pairing()
         diffs = [f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k]]
         return "; ".join(diffs) or None
 
 
 @dataclass
 class PeerRegistration:
-    """Decode -> prefill, once per pair: where to send, and the backend's own connection info."""
+    """Decode -> prefill, once per pair: where to send, and the backend's own connection info.
+    With several ranks, `ranks` holds the receivers of ranks 1..tp-1 ([host, port] each)."""
 
     decode_id: str
     receiver_host: str
@@ -99,6 +112,7 @@ class PeerRegistration:
     layout: dict[str, Any]
     backend: str
     backend_info: dict[str, Any] = field(default_factory=dict)
+    ranks: list[list[Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -106,11 +120,26 @@ class PeerRegistration:
         short_text("PeerRegistration.receiver_host", self.receiver_host, MAX_ID, 1)
         in_range("PeerRegistration.receiver_port", self.receiver_port, 1, 65535)
         short_text("PeerRegistration.backend", self.backend, MAX_ID, 1)
-        KVLayout(**self.layout)  # raises on a bad layout
+        layout = KVLayout(**self.layout)  # raises on a bad layout
+        if len(self.ranks) != layout.tp_size - 1:
+            raise ValueError(f"PeerRegistration.ranks: {len(self.ranks)} receivers for "
+                             f"{layout.tp_size} ranks (rank 0's is receiver_host/port)")
+        for i, rank in enumerate(self.ranks, start=1):
+            if len(rank) != 2 or not isinstance(rank[0], str) or type(rank[1]) is not int:
+                raise ValueError(f"PeerRegistration.ranks[{i}]: [host, port], got {rank!r}")
+            short_text(f"PeerRegistration.ranks[{i}] host", rank[0], MAX_ID, 1)
+            in_range(f"PeerRegistration.ranks[{i}] port", rank[1], 1, 65535)
 
     @property
     def kv_layout(self) -> KVLayout:
         return KVLayout(**self.layout)
+
+    def receiver(self, rank: int) -> tuple[str, int]:
+        """Where decode rank `rank`'s KV receiver listens."""
+        if rank == 0:
+            return self.receiver_host, self.receiver_port
+        host, port = self.ranks[rank - 1]
+        return str(host), int(port)
 
 
 @dataclass
@@ -173,17 +202,27 @@ class AuxRecord:
 
 @dataclass
 class PagesFrame:
-    """tcp backend: `nbytes` of KV follow, layer by layer, K then V, pages in `dst_pages` order."""
+    """tcp backend: `nbytes` of KV follow, pages in `dst_pages` order, each page as the pool
+    holds it. With `share` [src rank, lo, hi] (tensor parallelism: shares.py), only KV heads
+    [lo, hi) of each page, written by that prefill rank, as [layer, K/V, token, head, dim]."""
 
     room: int
     dst_pages: list[int]
     nbytes: int
+    share: list[int] | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
         _room("PagesFrame.room", self.room)
         _pages("PagesFrame.dst_pages", self.dst_pages)
         in_range("PagesFrame.nbytes", self.nbytes, 0, 1 << 62)
+        if self.share is not None:
+            if len(self.share) != 3:
+                raise ValueError("PagesFrame.share: [src rank, lo, hi]")
+            src, lo, hi = self.share
+            in_range("PagesFrame.share src rank", src, 0, 4095)
+            in_range("PagesFrame.share lo", lo, 0, 4095)
+            in_range("PagesFrame.share hi", hi, lo + 1, 4096)
 
 
 @dataclass

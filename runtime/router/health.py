@@ -77,6 +77,7 @@ class HealthChecker:
             if ready:
                 worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(
                     response)
+                worker.tp = _tp(response)
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -89,6 +90,15 @@ class HealthChecker:
             log.info("%s worker %s is %s (%s)", worker.role, worker.url,
                      "ready" if ready else "not ready", "GET /ready 200" if ready else why)
         worker.ready = ready
+
+
+def _tp(response: httpx.Response) -> int:
+    """A worker's TP size from its /ready body (1 when it does not say)."""
+    try:
+        tp = response.json().get("tp", 1)
+    except (ValueError, AttributeError):
+        return 1
+    return tp if type(tp) is int and tp >= 1 else 1
 
 
 def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None, bool]:

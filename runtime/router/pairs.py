@@ -119,10 +119,12 @@ class PairTable:
         now = self.clock()
         return {key: health.state(now) for key, health in self.pairs.items()}
 
-    def view(self) -> list[dict[str, Any]]:
-        """`GET /debug/pairs`: every pair that has seen a request."""
-        now = self.clock()
-        return [{"prefill": p, "decode": d, "state": h.state(now).name.lower(),
+    def view(self, tp: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        """`GET /debug/pairs`: every pair that has seen a request, with each side's TP size
+        (`tp`: by worker URL)."""
+        now, tp = self.clock(), tp or {}
+        return [{"prefill": p, "decode": d, "prefill_tp": tp.get(p), "decode_tp": tp.get(d),
+                 "state": h.state(now).name.lower(),
                  "succeeded": h.succeeded, "failed": h.failed, "failures_in_a_row": h.in_a_row,
                  "backoff_s": h.backoff_s, "quarantine_left_s": round(max(0.0, h.until - now), 3),
                  "latency_s": None if h.latency_s is None else round(h.latency_s, 4),

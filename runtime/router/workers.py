@@ -24,6 +24,7 @@ class Worker:
     kv_transfer: dict[str, Any] | None = None  # backend + KV layout, from its /ready
     instance_id: str | None = None  # its KV instance, from its /ready: room tickets name it
     local_prefill: bool = False  # a decode that prefills requests without a room, by its /ready
+    tp: int = 1  # its tensor parallelism, by its /ready (shown: any TP pairs with any)
     unanswered: int = 0  # health polls in a row that got no answer
     in_flight: int = 0  # requests this router has sent it and not seen finish
     picks: int = 0  # times a policy chose it

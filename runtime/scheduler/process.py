@@ -132,9 +132,11 @@ class SchedulerLoop:
             self.scheduler.step()
         if self.args.role != "colocated":
             from runtime.disagg.plane import open_plane
+            from runtime.scheduler.roles import advertise_host
 
             self.plane = open_plane(self.args, self.runner.pool, self.wakeup.wake,
-                                    self.runner.canary, self.scheduler.canary)
+                                    self.runner.canary, self.scheduler.canary, self.ranks,
+                                    self.runner.model_config.num_kv_heads, advertise_host(self.args))
         self.role = build_role(self.args, self.scheduler, self.plane, self.runner.vocab_size,
                                self.wakeup.wake)
         kv = self.runner.kv

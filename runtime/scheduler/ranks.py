@@ -10,6 +10,11 @@ the same forward on its part, meets rank 0 in the same collectives, and samples 
 from the same gathered logits, so its future map holds what rank 0's holds. A follower never
 decides anything: there is nothing for the ranks to disagree on.
 
+Beside the forwards, rank 0 and each follower share a socket (`Calls`): rank 0 calls its
+followers' KV planes on it (a prefill or decode server's ranks each move their own heads' KV:
+runtime/disagg/ranks_plane.py), and a follower tells rank 0 of its KV events on it. A thread on
+each side serves it, so a KV call never waits behind a forward.
+
 Failure is bounded: a rank that hangs makes the next collective time out (`--tp-timeout-s`);
 a follower that dies is seen at once by rank 0's watchdog, which ends rank 0 (`on_death`);
 followers die with rank 0 (PDEATHSIG) and leave when their stdin closes.
@@ -17,6 +22,7 @@ followers die with rank 0 (PDEATHSIG) and leave when their stdin closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -29,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any
 
@@ -99,8 +106,44 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+class Calls:
+    """One end of the KV call socket between rank 0 and a follower: messages (a length, then a
+    pickle) both ways, sent under a lock from any thread. Rank 0 sends ("call", id, op, args)
+    and gets ("reply", id, error or None, value); a follower also sends ("event", name, args)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock, self.lock = sock, threading.Lock()
+        sock.settimeout(timeout_s)  # a peer that stops reading fails the send, never hangs it
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            self.sock.sendall(_HEADER.pack(len(data)) + data)
+
+    def recv(self) -> Any:
+        """The next message; EOFError when the other side is gone. Waits without a limit (the
+        serving thread's; the process's end closes the socket)."""
+        self.sock.settimeout(None)
+        (n,) = _HEADER.unpack(self._exact(_HEADER.size))
+        return pickle.loads(self._exact(n))
+
+    def _exact(self, n: int) -> bytes:
+        buf, got = bytearray(n), 0
+        while got < n:
+            k = self.sock.recv_into(memoryview(buf)[got:])
+            if k == 0:
+                raise EOFError
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
 class Ranks:
-    """Rank 0's side: the followers it started, the batches it sends them."""
+    """Rank 0's side: the followers it started, the batches it sends them, the KV calls."""
 
     def __init__(self, config: EngineConfig, max_running_requests: int, size: int, port: int,
                  timeout_s: float, on_death: Callable[[str], None] | None = None) -> None:
@@ -110,14 +153,27 @@ class Ranks:
         collective then fails)."""
         self.size, self.timeout_s, self.closing = size, timeout_s, False
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.calls: list[Calls] = []
+        self.pending: dict[int, Future[Any]] = {}
+        self.next_id = 0
+        self.lock = threading.Lock()
+        # what a follower's KV event does here (runtime/disagg/ranks_plane.py sets it)
+        self.on_event: Callable[[int, str, tuple[Any, ...]], None] = lambda *_: None
         start = (config, max_running_requests, size, port, timeout_s, os.getpid())
         try:
             for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "runtime.scheduler.ranks"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                mine, theirs = socket.socketpair()
+                self.calls.append(Calls(mine, timeout_s))
+                fd = theirs.fileno()  # the same number in the follower (pass_fds keeps it)
+                with theirs:
+                    proc = subprocess.Popen([sys.executable, "-m", "runtime.scheduler.ranks"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            pass_fds=(fd,))
                 self.procs.append(proc)
                 assert proc.stdin is not None
-                _write(proc.stdin, (rank, *start), timeout_s)
+                _write(proc.stdin, (rank, *start, fd), timeout_s)
+                threading.Thread(target=self._serve, args=(rank,), daemon=True,
+                                 name=f"tp-calls-{rank}").start()
             self.watchdogs = [threading.Thread(target=self._watch, args=(rank, proc, on_death),
                                                daemon=True, name=f"tp-watch-{rank}")
                               for rank, proc in enumerate(self.procs, start=1)]
@@ -137,6 +193,54 @@ class Ranks:
             if line != READY:
                 self.close()
                 raise RuntimeError(f"TP rank {rank} did not start: {line or 'no answer'}")
+
+    @property
+    def followers(self) -> range:
+        return range(1, self.size)
+
+    def call(self, rank: int, op: str, *args: Any) -> Future[Any]:
+        """Call `op` on follower `rank`'s KV plane; the future fails with RuntimeError when it
+        raised there (its message), or with the follower gone."""
+        future: Future[Any] = Future()
+        with self.lock:
+            self.next_id += 1
+            self.pending[self.next_id] = future
+            key = self.next_id
+        try:
+            self.calls[rank - 1].send(("call", key, op, args))
+        except OSError as e:
+            with self.lock:
+                self.pending.pop(key, None)
+            future.set_exception(RuntimeError(f"TP rank {rank} cannot be called: {e}"))
+        return future
+
+    def _serve(self, rank: int) -> None:
+        """Replies and events from follower `rank`, until it is gone."""
+        calls = self.calls[rank - 1]
+        try:
+            while True:
+                kind, *rest = calls.recv()
+                if kind == "event":
+                    self.on_event(rank, *rest)
+                    continue
+                key, error, value = rest
+                with self.lock:
+                    future = self.pending.pop(key, None)
+                if future is None:
+                    continue
+                if error is not None:
+                    future.set_exception(RuntimeError(f"TP rank {rank}: {error}"))
+                else:
+                    future.set_result(value)
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("TP rank %d's KV calls", rank)
+        with self.lock:
+            gone, self.pending = self.pending, {}
+        for future in gone.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"TP rank {rank} is gone"))
 
     def send(self, batch: ForwardBatch, future_indices: torch.Tensor | None) -> None:
         """The forward about to be launched, to every follower (in launch order)."""
@@ -162,6 +266,8 @@ class Ranks:
                 proc.wait(5)
             if proc.stdout is not None:
                 proc.stdout.close()
+        for calls in self.calls:
+            calls.close()
         leave_group()
 
     def _watch(self, rank: int, proc: subprocess.Popen[bytes],
@@ -230,16 +336,18 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
     from runtime.lifecycle import die_with_parent
 
     try:
-        rank, config, max_running, size, port, timeout_s, parent = _read(inbox)
+        rank, config, max_running, size, port, timeout_s, parent, calls_fd = _read(inbox)
     except EOFError:  # rank 0 went before it said who this is
         return 1
+    calls = Calls(socket.socket(fileno=calls_fd), timeout_s)
     die_with_parent(signal.SIGKILL, parent=parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
     try:
         join_group(rank, size, port, config.device, timeout_s)
-        runner: Runner = ModelRunner(config, max_running, prefix_cache=False, rank=rank)
+        model = ModelRunner(config, max_running, prefix_cache=False, rank=rank)
+        runner: Runner = model
         future_map = FutureMap(max_running, runner.device)
     except Exception as e:  # logged, and reported to rank 0, which names it
         log.exception("TP rank %d could not start", rank)
@@ -248,6 +356,8 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
         return 1
     status.write(f"{READY}\n".encode())
     status.flush()
+    threading.Thread(target=_serve_calls, args=(calls, model.pool, rank), daemon=True,
+                     name="tp-calls").start()
     try:
         while True:
             try:
@@ -260,7 +370,53 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
             batch, future_indices = message
             run_forward(runner, future_map, batch, future_indices)
     finally:
+        calls.close()
         leave_group()
+
+
+def _serve_calls(calls: Calls, pool: Any, rank: int) -> None:
+    """A follower's KV calls from rank 0: the fence's (expect, revoke, discard) answered in
+    order on this thread, writes of its shares on the plane's writer threads (they wait on the
+    network)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime.disagg.ranks_plane import FollowerPlane
+
+    plane: FollowerPlane | None = None
+    writers = ThreadPoolExecutor(2, thread_name_prefix="kv-share")
+
+    def event(name: str, *args: Any) -> None:
+        with contextlib.suppress(OSError):
+            calls.send(("event", name, *args))
+
+    def answer(key: int, op: str, args: tuple[Any, ...]) -> None:
+        nonlocal plane
+        try:
+            if op == "open":
+                plane = FollowerPlane.open(pool, rank, event, *args)
+                value = plane.port
+            else:
+                assert plane is not None, "the KV plane is not open"
+                value = getattr(plane, op)(*args)
+            reply: tuple[Any, ...] = ("reply", key, None, value)
+        except Exception as e:  # the call fails at rank 0, with this message
+            log.warning("KV call %s: %s", op, e)
+            reply = ("reply", key, f"{type(e).__name__}: {e}", None)
+        with contextlib.suppress(OSError):
+            calls.send(reply)
+
+    while True:
+        try:
+            _, key, op, args = calls.recv()
+        except (EOFError, OSError):
+            writers.shutdown(wait=False, cancel_futures=True)
+            if plane is not None:
+                plane.close()
+            return
+        if op == "write":
+            writers.submit(answer, key, op, args)
+        else:
+            answer(key, op, args)
 
 
 if __name__ == "__main__":

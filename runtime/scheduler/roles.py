@@ -117,8 +117,8 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
 
         warn_if_open(plane.key, f"{args.role} {plane.name} (bootstrap port {args.disagg.bootstrap_port})")
         role: PrefillRole[Req] = PrefillRole(
-            scheduler, scheduler.handoffs, scheduler.kv, plane, KVSender(plane.transfer, plane.key),
-            args.disagg, wake)
+            scheduler, scheduler.handoffs, scheduler.kv, plane,
+            KVSender(plane.transfer, plane.key, ranks=plane.ranks), args.disagg, wake)
         role.start(args.host)
         return role
 
@@ -133,13 +133,20 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
     transfer = plane.transfer
     receiver = KVReceiver(args.host, args.disagg.kv_port, transfer, plane.key, plane.name, wake,
                           plane.tally)
+    if plane.ranks is not None:
+        from runtime.disagg.ranks_plane import close_links_everywhere
+
+        receiver.also_close = close_links_everywhere(plane.ranks)
     warn_if_open(plane.key, f"decode {plane.name} (KV port {receiver.port})")
     me = PeerRegistration(plane.name, advertise_host(args), receiver.port, asdict(plane.layout),
-                          transfer.name, transfer.local_info())
+                          transfer.name, transfer.local_info(), plane.rank_receivers)
     log.info("decode %s: KV receiver on %s:%d (%s)", plane.name, me.receiver_host,
              me.receiver_port, transfer.name)
     mover = (Mover(scheduler.handoffs, sender(), me.receiver_host)
-             if args.disagg.move_kv_on_drain else None)
+             if args.disagg.move_kv_on_drain and plane.ranks is None else None)
+    if args.disagg.move_kv_on_drain and plane.ranks is not None:
+        log.info("decode %s: draining finishes its streams here (moving the KV of several TP "
+                 "ranks to another decode is not built yet)", plane.name)
     client = PrefillClient(me, transfer, plane.key, args.disagg.heartbeat_interval_s)
     decode: DecodeRole[Req] = DecodeRole(scheduler, scheduler.handoffs, scheduler.kv, plane, client,
                                          receiver, args.disagg, wake, vocab_size, mover=mover)

@@ -35,6 +35,7 @@ class PDEdge:
         self.role = args.role
         self.tickets = tickets
         self.local_prefill = args.role == "decode" and args.disagg.allow_local_prefill
+        self.tp = args.engine.tp
 
     def bootstraps(self, body: BootstrapFields, choices: int,
                    info: SchedulerReady | None) -> list[Bootstrap | None]:
@@ -65,9 +66,9 @@ class PDEdge:
 
     def ready_fields(self, info: SchedulerReady) -> dict[str, Any]:
         """/ready's fields beyond its status: the KV transfer the router pairs by, the instance
-        id its room tickets name, and whether a decode takes the router's local-prefill
-        fallback. None of them on a colocated server."""
+        id its room tickets name, whether a decode takes the router's local-prefill fallback,
+        and its TP size (shown; any pairs with any). None of them on a colocated server."""
         if info.kv_transfer is None:
             return {}
         return {"kv_transfer": info.kv_transfer, "instance_id": info.instance_id,
-                "local_prefill": self.local_prefill}
+                "local_prefill": self.local_prefill, "tp": self.tp}

@@ -128,10 +128,17 @@ def test_serve_refuses_a_split_the_model_cannot_take(model_path: Path) -> None:
     assert "Traceback" not in run.stderr
 
 
-def test_tp_alias_and_what_it_does_not_serve_yet() -> None:
+def test_tp_alias_and_what_it_does_not_serve_yet(capsys: pytest.CaptureFixture[str]) -> None:
     from runtime.server.args import parse_server_args
 
     assert parse_server_args(["--tensor-parallel-size", "4"]).engine.tp == 4
-    for argv in (["--tp", "0"], ["--tp", "2", "--role", "decode"], ["--tp-timeout-s", "0"]):
+    pd = ["--tp", "2", "--role", "decode", "--kv-transfer"]
+    assert parse_server_args([*pd, "tcp"]).engine.tp == 2  # PD over ranks: tcp
+    for argv, why in ((["--tp", "0"], "--tp must be >= 1"),
+                      ([*pd, "nixl"], "move KV over --kv-transfer tcp for now, not nixl"),
+                      ([*pd, "tcp", "--kv-canary", "raise", "--kv-canary-bytes", "all"],
+                       "per-rank checksums are not built yet"),
+                      (["--tp-timeout-s", "0"], "--tp-timeout-s must be > 0")):
         with pytest.raises(SystemExit):
             parse_server_args(argv)
+        assert why in capsys.readouterr().err, argv

@@ -12,10 +12,10 @@ from __future__ import annotations
 import importlib
 import socket
 from abc import ABC, abstractmethod
-from dataclasses import asdict
 from typing import Any
 
 from runtime.disagg.fence import WriteFence
+from runtime.disagg.shares import Share, Split
 from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame
 from runtime.kvcache.pool import KVPool
 
@@ -34,9 +34,12 @@ class WriteInDoubt(TransferError):
     may still land in the peer's pages."""
 
 
-def layout_of(pool: KVPool) -> KVLayout:
+def layout_of(pool: KVPool, tp: int = 1, kv_heads: int | None = None) -> KVLayout:
+    """The layout of a server whose rank holds `pool`: `tp` ranks splitting the model's
+    `kv_heads` (default: the pool's, one rank)."""
     dtype = str(pool.dtype).removeprefix("torch.")
-    return KVLayout(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, dtype)
+    return KVLayout(pool.num_layers, pool.page_size, kv_heads or pool.num_kv_heads, pool.head_dim,
+                    dtype, tp_size=tp)
 
 
 class KVTransfer(ABC):
@@ -51,17 +54,22 @@ class KVTransfer(ABC):
     one_sided = False
 
     def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
-                 layout: KVLayout | None = None) -> None:
-        """`layout`: what peers must agree on (default: the pool's, with no canary tags)."""
+                 layout: KVLayout | None = None, rank: int = 0) -> None:
+        """`layout`: what peers must agree on (default: the pool's, with no canary tags);
+        `rank`: which of the server's TP ranks holds `pool` (its KV heads: `held`)."""
         self.pool = pool
         self.agent_name = agent_name
         self.fence = fence if fence is not None else WriteFence()
         self.layout = layout if layout is not None else layout_of(pool)
+        self.rank = rank
+        self.split = Split(self.layout.tp_size, self.layout.num_kv_heads)
+        self.held = self.split.held(rank)
 
     def describe(self) -> dict[str, Any]:
         """What must match between a prefill and a decode server for this backend to move pages
-        between them (the router pairs only servers that agree; `/ready` shows it)."""
-        return {"backend": self.name, "layout": asdict(self.layout)}
+        between them (the router pairs only servers that agree, whatever their TP sizes;
+        `/ready` shows it)."""
+        return {"backend": self.name, "layout": self.layout.pairing()}
 
     def local_info(self) -> dict[str, Any]:
         """What a peer needs to reach this side's pool (sent at peer registration)."""
@@ -82,6 +90,13 @@ class KVTransfer(ABC):
         the ordered prefill->decode link (used by backends that stream over it).
         Returns the bytes moved; raises TransferError or OSError."""
 
+    def write_share(self, link: socket.socket, room: int, src_pages: list[int],
+                    dst_pages: list[int], share: Share) -> int:
+        """Copy this rank's KV heads of `share` from src_pages into the decode rank's dst_pages
+        on `link` (that rank's); no aux record follows. Returns the bytes moved."""
+        raise TransferError(f"{self.name} backend cannot move KV between ranks of different "
+                            "tensor parallelism yet (use --kv-transfer tcp)")
+
     # ---- decode side ----------------------------------------------------------------------
     def read_pages(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:
         """A PagesFrame from prefill `peer` arrived on a link: put its payload into the pool if
@@ -97,7 +112,7 @@ class KVTransfer(ABC):
 
 
 def create_transfer(name: str, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
-                    layout: KVLayout | None = None) -> KVTransfer:
+                    layout: KVLayout | None = None, rank: int = 0) -> KVTransfer:
     if name not in _BACKENDS:
         raise ValueError(f"unknown KV transfer backend {name!r}; known: {sorted(_BACKENDS)}")
     module, _, cls = _BACKENDS[name].partition(":")
@@ -106,5 +121,5 @@ def create_transfer(name: str, pool: KVPool, agent_name: str, fence: WriteFence 
     except ImportError as e:
         raise TransferError(f"KV transfer {name!r} is not available here ({e}); "
                             "use --kv-transfer tcp") from e
-    backend: KVTransfer = getattr(mod, cls)(pool, agent_name, fence, layout)
+    backend: KVTransfer = getattr(mod, cls)(pool, agent_name, fence, layout, rank)
     return backend

@@ -72,13 +72,13 @@ class NixlTransfer(KVTransfer):
     one_sided = True  # the prefill WRITEs into our pool: we cannot refuse a write at our door
 
     def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
-                 layout: KVLayout | None = None) -> None:
-        super().__init__(pool, agent_name, fence, layout)
+                 layout: KVLayout | None = None, rank: int = 0) -> None:
+        super().__init__(pool, agent_name, fence, layout, rank)
         self.mem, self.dev = _mem_type(pool)
         self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False,
                                                               backends=["UCX"]))
         self._lock = threading.Lock()  # one caller into the agent at a time
-        self.page_bytes = self.layout.page_bytes
+        self.page_bytes = pool.page_bytes
         self.agent.register_memory([pool.buffer])
         self.addr = pool.buffer.data_ptr()
         self.peers: dict[str, _Peer] = {}

@@ -18,6 +18,7 @@ import socket
 import torch
 
 from runtime.disagg.fence import WriteFence
+from runtime.disagg.shares import Share, head_slice
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import AuxRecord, KVLayout, LinkClosed, PagesFrame, RoomDone, send_frame
 from runtime.kvcache.pool import KVPool
@@ -82,14 +83,14 @@ class TcpTransfer(KVTransfer):
     name = "tcp"
 
     def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
-                 layout: KVLayout | None = None) -> None:
-        super().__init__(pool, agent_name, fence, layout)
+                 layout: KVLayout | None = None, rank: int = 0) -> None:
+        super().__init__(pool, agent_name, fence, layout, rank)
         self.rows = pool.page_rows()  # [num_pages, page_bytes] uint8
         self.on_cpu = pool.device.type == "cpu"
 
     def write(self, peer_id: str, link: socket.socket, src_pages: list[int], dst_pages: list[int],
               aux: AuxRecord) -> int:
-        nbytes = len(src_pages) * self.layout.page_bytes
+        nbytes = len(src_pages) * self.pool.page_bytes
         send_frame(link, PagesFrame(aux.room, dst_pages, nbytes))
         if self.on_cpu:
             send_views(link, page_views(self.rows, src_pages))
@@ -100,9 +101,20 @@ class TcpTransfer(KVTransfer):
         send_frame(link, RoomDone(aux))  # behind the pages on the same ordered link
         return nbytes
 
+    def write_share(self, link: socket.socket, room: int, src_pages: list[int],
+                    dst_pages: list[int], share: Share) -> int:
+        src = torch.tensor(src_pages, dtype=torch.int64, device=self.pool.device)
+        part = head_slice(self.pool.buffer.index_select(0, src), self.held, share)
+        raw = part.contiguous().cpu().view(torch.uint8)
+        send_frame(link, PagesFrame(room, dst_pages, raw.numel(), [share.src, share.lo, share.hi]))
+        send_views(link, [memoryview(raw.numpy()).cast("B")])  # type: ignore[arg-type]
+        return raw.numel()
+
     def read_pages(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:
+        if frame.share is not None:
+            return self._read_share(frame, link, peer)
         n = len(frame.dst_pages)
-        page_bytes = self.layout.page_bytes
+        page_bytes = self.pool.page_bytes
         if n > self.pool.num_pages or frame.nbytes != n * page_bytes:
             raise TransferError(f"room {frame.room}: {frame.nbytes} bytes for {n} pages of "
                                 f"{page_bytes} bytes (a pool of {self.pool.num_pages} pages)")
@@ -121,6 +133,33 @@ class TcpTransfer(KVTransfer):
             complete = True
         finally:
             self.fence.landed(frame.room, complete)
+        return True
+
+    def _read_share(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:
+        """A share of the room's KV heads (tensor parallelism: runtime/disagg/shares.py) into
+        the same heads of this rank's pages, through host staging."""
+        assert frame.share is not None
+        src, lo, hi = frame.share
+        n, (first, last) = len(frame.dst_pages), self.held
+        if not first <= lo < hi <= last or n > self.pool.num_pages \
+                or frame.nbytes != n * (hi - lo) * self.layout.head_bytes:
+            raise TransferError(f"room {frame.room}: {frame.nbytes} bytes of KV heads [{lo}, {hi}) "
+                                f"for {n} pages; this rank holds heads [{first}, {last})")
+        if not self.fence.admit(frame.room, frame.dst_pages, peer, src):
+            skip(link, frame.nbytes)
+            return False
+        complete = False
+        try:
+            pool = self.pool
+            staging = torch.empty(frame.nbytes, dtype=torch.uint8)
+            recv_views(link, [memoryview(staging.numpy()).cast("B")])  # type: ignore[arg-type]
+            part = staging.view(pool.dtype).view(n, pool.num_layers, 2, pool.page_size, hi - lo,
+                                                 pool.head_dim)
+            dst = torch.tensor(frame.dst_pages, dtype=torch.int64, device=pool.device)
+            pool.buffer[dst, :, :, :, lo - first:hi - first] = part.to(pool.device)
+            complete = True
+        finally:
+            self.fence.landed(frame.room, complete, src)
         return True
 
     def read_done(self, aux: AuxRecord, peer: str) -> bool:

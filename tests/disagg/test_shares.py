@@ -1,0 +1,186 @@
+"""KV across different TP on the two sides, without processes: which prefill rank writes which
+heads where (runtime/disagg/shares.py), the fence of a rank that several prefill ranks write
+(runtime/disagg/fence.py), and decode rank 0's fence over its followers' reports
+(runtime/disagg/ranks_plane.py LeaderFence, against fake ranks). Over real processes and links:
+test_pd_tp.py."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.disagg.fence import WriteFence
+from runtime.disagg.ranks_plane import LeaderFence, close_links_everywhere
+from runtime.disagg.shares import Share, Split, head_slice, plan, sources
+from runtime.disagg.transfer.base import TransferError
+from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame, PeerRegistration
+from runtime.model_config import ModelConfig
+from runtime.models.parallel import TensorParallel
+
+P = "baton-prefill-P"
+
+
+def test_ranks_hold_the_heads_the_model_split_gives_them() -> None:
+    for kv in (1, 2, 3, 4, 8):
+        config = ModelConfig.from_hf_dict({
+            "vocab_size": 100, "hidden_size": 8 * 16, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": kv})
+        for tp in (1, 2, 4, 8):
+            if (kv % tp and tp % kv) or 8 % tp:
+                continue
+            assert [Split(tp, kv).held(r) for r in range(tp)] == \
+                [TensorParallel(r, tp).kv_heads(config) for r in range(tp)], (kv, tp)
+
+
+@pytest.mark.parametrize(("kv", "p", "d"), [(2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2), (2, 4, 2),
+                                            (2, 1, 4), (8, 2, 4), (8, 4, 2), (3, 3, 1), (2, 4, 4)])
+def test_every_head_of_every_decode_rank_is_written_once_by_a_rank_that_holds_it(
+        kv: int, p: int, d: int) -> None:
+    src, dst = Split(p, kv), Split(d, kv)
+    shares = plan(src, dst)
+    for rank in range(d):
+        lo, hi = dst.held(rank)
+        written = [h for s in shares if s.dst == rank for h in range(s.lo, s.hi)]
+        assert sorted(written) == list(range(lo, hi)), (rank, shares)
+    for s in shares:
+        held = src.held(s.src)
+        assert held[0] <= s.lo < s.hi <= held[1]
+    assert 0 in sources(shares, 0)  # rank 0's share rides the link its RoomDone follows
+
+
+def test_the_named_cases() -> None:
+    assert plan(Split(2, 2), Split(1, 2)) == [Share(0, 0, 0, 1), Share(1, 0, 1, 2)]  # halves
+    assert plan(Split(1, 2), Split(2, 2)) == [Share(0, 0, 0, 1), Share(0, 1, 1, 2)]  # split
+    # 2 KV heads over 4 prefill ranks (each copied twice): only ranks 0 and 2 send
+    assert plan(Split(4, 2), Split(2, 2)) == [Share(0, 0, 0, 1), Share(2, 1, 1, 2)]
+    assert plan(Split(1, 2), Split(4, 2)) == [Share(0, r, r // 2, r // 2 + 1) for r in range(4)]
+    with pytest.raises(ValueError, match="2 KV heads on one side, 4 on the other"):
+        plan(Split(1, 2), Split(1, 4))
+
+
+def test_a_head_slice_is_the_shares_heads_of_a_ranks_pages() -> None:
+    pages = torch.arange(2 * 3 * 2 * 4 * 2 * 5).view(2, 3, 2, 4, 2, 5)  # a rank holding heads 2, 3
+    assert torch.equal(head_slice(pages, (2, 4), Share(0, 0, 3, 4)), pages[..., 1:2, :])
+
+
+def test_the_wire_names_the_split() -> None:
+    layout = KVLayout(2, 16, 2, 64, "float32", tp_size=2)
+    assert layout.mismatch(KVLayout(2, 16, 2, 64, "float32")) is None  # any TP pairs
+    assert "num_kv_heads 2 vs 4" in str(layout.mismatch(KVLayout(2, 16, 4, 64, "float32")))
+    assert "tp_size" not in layout.pairing()
+    assert layout.page_bytes == 2 * layout.head_bytes == 2 * 2 * 2 * 16 * 64 * 4
+    reg = dict(decode_id="d", receiver_host="h", receiver_port=1, layout=asdict(layout),
+               backend="tcp")
+    with pytest.raises(ValueError, match="0 receivers for 2 ranks"):
+        PeerRegistration(**reg)
+    assert PeerRegistration(**reg, ranks=[["h", 2]]).receiver(1) == ("h", 2)
+    with pytest.raises(ValueError, match="share"):
+        PagesFrame(1, [0], 8, [0, 2, 2])  # an empty head range
+
+
+def aux(room: int) -> AuxRecord:
+    return AuxRecord(room, f"r{room}", 3, 42)
+
+
+def test_a_room_written_by_two_prefill_ranks_arrives_once_both_landed() -> None:
+    woken: list[int] = []
+    fence = WriteFence(lambda: woken.append(1))
+    fence.expect(1, [3, 4], P)
+    assert fence.bind_peer(1, P, plan(Split(2, 2), Split(1, 2)))
+    assert not fence.admit(1, [3, 4], P, source=2)  # not a rank that writes here
+    assert fence.admit(1, [3, 4], P, 0) and fence.admit(1, [3, 4], P, 1)  # on two links at once
+    assert not fence.admit(1, [3, 4], P, 1)  # one write per rank at a time
+    fence.landed(1, True, 0)
+    assert fence.arrive(aux(1), P, written=True)  # rank 0's share came first on its link
+    assert fence.arrived(1) is None and not woken  # rank 1's is still landing: the record waits
+    fence.landed(1, True, 1)
+    assert fence.arrived(1) == aux(1) and woken == [1]
+
+
+def test_a_roomdone_without_rank_0s_share_or_with_a_broken_share_never_arrives() -> None:
+    fence = WriteFence()
+    fence.expect(1, [3], P)
+    fence.bind_peer(1, P, plan(Split(2, 2), Split(1, 2)))
+    assert not fence.arrive(aux(1), P, written=True)  # rank 0's share did not land first
+    assert fence.admit(1, [3], P, 0) and fence.admit(1, [3], P, 1)
+    fence.landed(1, True, 0)
+    assert fence.arrive(aux(1), P, written=True)
+    fence.landed(1, False, 1)  # broken off: the room waits (and times out) rather than arrive
+    assert fence.arrived(1) is None
+
+
+class FakeRanks:
+    """Followers that answer at once, recording each call."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.log: list[tuple[int, str, tuple[Any, ...]]] = []
+        self.answers: dict[str, Any] = {"expect": None, "revoke": True, "discard": None,
+                                        "close_links": None}
+        self.on_event: Any = None
+
+    @property
+    def followers(self) -> range:
+        return range(1, self.size)
+
+    def call(self, rank: int, op: str, *args: Any) -> Future[Any]:
+        self.log.append((rank, op, args))
+        future: Future[Any] = Future()
+        answer = self.answers[op]
+        if isinstance(answer, Exception):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
+        return future
+
+
+def test_decode_rank_0_takes_a_room_once_every_rank_reported_its_shares() -> None:
+    woken: list[int] = []
+    ranks = FakeRanks(2)
+    fence = LeaderFence(lambda: woken.append(1), ranks)
+    fence.expect(7, [5, 6], P)
+    shares = plan(Split(1, 2), Split(2, 2))
+    assert fence.bind_peer(7, P, shares)
+    assert ranks.log == [(1, "expect", (7, [5, 6], P, shares))]  # before the prefill knows them
+    assert fence.admit(7, [5, 6], P, 0)
+    fence.landed(7, True, 0)
+    assert fence.arrive(aux(7), P, written=True) and fence.arrived(7) is None
+    ranks.on_event(1, "written", (7,))
+    assert fence.arrived(7) == aux(7) and woken == [1]
+    fence.discard(7)
+    assert ranks.log[-1] == (1, "discard", (7,))
+
+
+def test_a_revoked_room_is_closed_only_when_every_rank_says_nothing_lands() -> None:
+    woken: list[int] = []
+    ranks = FakeRanks(3)
+    ranks.answers["revoke"] = False  # rank 1 and 2: a share is landing there
+    fence = LeaderFence(lambda: woken.append(1), ranks)
+    fence.expect(7, [5], P)
+    fence.bind_peer(7, P, plan(Split(1, 3), Split(3, 3)))
+    assert fence.revoke(7) is False
+    assert [c[1] for c in ranks.log].count("revoke") == 2
+    assert fence.revoke(7) is False and [c[1] for c in ranks.log].count("revoke") == 2  # once
+    ranks.on_event(1, "closed", (7,))
+    assert fence.revoke(7) is False and not woken
+    ranks.on_event(2, "closed", (7,))
+    assert woken == [1] and fence.revoke(7) is True
+
+
+def test_a_follower_that_cannot_take_the_room_fails_the_binding_by_name() -> None:
+    ranks = FakeRanks(2)
+    ranks.answers["expect"] = RuntimeError("TP rank 1: boom")
+    fence = LeaderFence(lambda: None, ranks)
+    fence.expect(7, [5], P)
+    with pytest.raises(TransferError, match="TP rank 1 could not take room 7"):
+        fence.bind_peer(7, P, plan(Split(1, 2), Split(2, 2)))
+
+
+def test_a_prefill_declared_gone_loses_its_links_to_every_decode_rank() -> None:
+    ranks = FakeRanks(3)
+    close_links_everywhere(ranks)(P)
+    assert ranks.log == [(1, "close_links", (P,)), (2, "close_links", (P,))]
