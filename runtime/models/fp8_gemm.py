@@ -81,6 +81,7 @@ def block_fp8_gemm_launch(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b
         _block_fp8_gemm_kernel, (-(-m // bm), -(-n // BLOCK_N)),
         (a, a_s, b, b_s, out, m, n, k, a.stride(0), a_s.stride(0), b.stride(0), b_s.stride(0),
          out.stride(0)),
-        {"GROUP": group, "BLOCK_M": bm, "BLOCK_N": BLOCK_N, "num_warps": 4, "num_stages": 3},
+        {"GROUP": group, "BLOCK_M": bm, "BLOCK_N": BLOCK_N, "num_warps": 8 if bm == 64 else 4,
+         "num_stages": 3},
         out,
     )
