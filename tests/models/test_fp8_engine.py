@@ -85,7 +85,7 @@ def fp8_gemms_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("runtime.engine.model_runner.fp8_gemms_run", lambda device: True)
 
 
-def _matmuls(runner: ModelRunner) -> list[Any]:
+def matmuls(runner: ModelRunner) -> list[Any]:
     model: Any = runner.model
     return [m for lw in model.layers for m in (lw.qkv, lw.o, lw.mlp.gate_up, lw.mlp.down)]
 
@@ -96,11 +96,11 @@ def test_an_fp8_checkpoint_on_the_fp8_gemms_agrees_with_its_dequantized_weights(
     src = write_checkpoint("LlamaConfig", tmp_path / "src", model_path, **FP8_SHAPE)
     write_fp8(src, fmt, tmp_path / "fp8", tmp_path / "plain")
     ours, runner = forward_logits(tmp_path / "fp8")
-    matmuls = _matmuls(runner)
-    assert all(isinstance(m, FP8Linear) for m in matmuls), matmuls
-    assert {m.weight.group for m in matmuls} == {128 if fmt == "block" else None}
+    layers = matmuls(runner)
+    assert all(isinstance(m, FP8Linear) for m in layers), layers
+    assert {m.weight.group for m in layers} == {128 if fmt == "block" else None}
     ref, runner = forward_logits(tmp_path / "fp8", fp8_gemm="off")
-    assert not any(isinstance(m, FP8Linear) for m in _matmuls(runner))
+    assert not any(isinstance(m, FP8Linear) for m in matmuls(runner))
     print(fmt, logits_agree(ours, ref))
 
 
@@ -109,7 +109,7 @@ def test_quantization_fp8_agrees_with_full_precision(fp8_gemms_here: None, model
     src = write_checkpoint("LlamaConfig", tmp_path / "src", model_path, **FP8_SHAPE)
     ours, runner = forward_logits(src, quantization="fp8")
     assert runner.quantized_matmuls == 4 * FP8_SHAPE["num_hidden_layers"]
-    assert all(isinstance(m, FP8Linear) and m.weight.group is None for m in _matmuls(runner))
+    assert all(isinstance(m, FP8Linear) and m.weight.group is None for m in matmuls(runner))
     ref, _ = forward_logits(src)
     print("quantization fp8", logits_agree(ours, ref, QUANTIZED_TOL))
 
