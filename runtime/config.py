@@ -45,10 +45,15 @@ class EngineConfig:
         "free every KV page when its request ends instead of keeping it for reuse; default: "
         "the cache is on, except on a decode server (its KV arrives by transfer)"))
     num_threads: int | None = field(default=None, metadata=_help("torch threads (scheduler)"))
-    quantization: Literal["none", "int8", "int4"] = field(default="none", metadata=_help(
+    quantization: Literal["none", "int8", "int4", "fp8"] = field(default="none", metadata=_help(
         "CPU: weight-only matmuls, int8 per output channel or int4 per group of 32; the quantized "
         "kernel for steps of up to --quant-max-rows rows, the dequantized weights above "
-        "(runtime/models/quantize.py, docs/performance.md)"))
+        "(runtime/models/quantize.py, docs/performance.md). CUDA (sm_89+): fp8, the matmul "
+        "weights in fp8 per output channel, activations per token, torch._scaled_mm "
+        "(runtime/models/fp8_linear.py)"))
+    fp8_gemm: Literal["auto", "off"] = field(default="auto", metadata=_help(
+        "an fp8 checkpoint's matmuls: auto keeps its weights in fp8 and runs fp8 GEMMs on CUDA "
+        "at sm_89+ (elsewhere dequantized at load); off dequantizes them at load everywhere"))
     quant_max_rows: int = field(default=4, metadata=_help(
         "with --quantization: the most rows a step may have to take the quantized kernel (it "
         "beats fp32 only for a few rows: the crossover measured on this machine)"))

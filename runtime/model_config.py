@@ -96,7 +96,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoEConfig | None = None
-    fp8: FP8Weights | None = None  # the checkpoint's matmul weights are fp8 (dequantized at load)
+    fp8: FP8Weights | None = None  # the checkpoint's matmul weights are fp8 (fp8.py: kept or dequantized)
     # Per layer, how many of the latest positions a query attends to, itself included (a
     # sliding window); None: every earlier position. One entry per layer.
     sliding_windows: tuple[int | None, ...] = ()

@@ -31,6 +31,7 @@ from runtime.kvcache.radix import RadixCache
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.model_config import ModelConfig
 from runtime.model_store import resolve_model_path
+from runtime.models.fp8_linear import fp8_gemms_run, quantize_fp8
 from runtime.models.linear import use_onednn
 from runtime.models.parallel import TensorParallel
 from runtime.models.quantize import quantize
@@ -78,17 +79,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)
         onednn = use_onednn(config.linear_backend, config.device, self.dtype)
         try:
-            self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn, tp)
+            self.model = build_model(mc, self.model_path, self.dtype, str(self.device), onednn, tp,
+                                     fp8_gemm=mc.fp8 is not None and config.fp8_gemm == "auto"
+                                     and fp8_gemms_run(self.device))
         except torch.OutOfMemoryError as e:
             raise out_of_memory("the weights (the model does not fit this GPU)", e) from None
-        self.quantized_matmuls = 0
-        if config.quantization != "none":
-            if self.device.type != "cpu":
-                raise ValueError(f"--quantization {config.quantization} is a CPU mode (on CUDA, "
-                                 "load an fp8 checkpoint)")
-            self.quantized_matmuls = quantize(self.model, config.quantization, config.quant_max_rows)
-            log.info("%s weight-only: %d matmuls (the quantized kernel up to %d rows a step)",
-                     config.quantization, self.quantized_matmuls, config.quant_max_rows)
+        self.quantized_matmuls = self._quantize(config) if config.quantization != "none" else 0
         if prefix_cache is None:
             prefix_cache = not config.disable_prefix_cache
         self.pool, self.kv = self._kv_cache(max_running_requests, prefix_cache)
@@ -120,6 +116,23 @@ class ModelRunner:
             f", TP rank {tp.rank} of {tp.size} ({self.model.num_kv_heads} KV heads)"
             if tp.size > 1 else "",
         )
+
+    def _quantize(self, config: EngineConfig) -> int:
+        """--quantization: int8/int4 weight-only on the CPU, fp8 GEMMs on CUDA; how many matmuls."""
+        if config.quantization == "fp8":
+            if not fp8_gemms_run(self.device):
+                raise ValueError("--quantization fp8 needs CUDA at sm_89 or later (fp8 GEMMs); on "
+                                 "the CPU use --quantization int8 or int4")
+            done = quantize_fp8(self.model)
+            log.info("fp8: %d matmuls in fp8 per output channel (torch._scaled_mm)", done)
+            return done
+        if self.device.type != "cpu":
+            raise ValueError(f"--quantization {config.quantization} is a CPU mode (on CUDA: "
+                             "--quantization fp8, or an fp8 checkpoint)")
+        done = quantize(self.model, config.quantization, config.quant_max_rows)
+        log.info("%s weight-only: %d matmuls (the quantized kernel up to %d rows a step)",
+                 config.quantization, done, config.quant_max_rows)
+        return done
 
     def _kv_cache(self, max_running_requests: int,
                   prefix_cache: bool) -> tuple[KVPool, KVCacheManager]:

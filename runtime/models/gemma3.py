@@ -60,7 +60,7 @@ def _one_plus(w: torch.Tensor) -> torch.Tensor:
 class Gemma3Model(LlamaModel):
     def __init__(
         self, config: ModelConfig, path: Path, dtype: torch.dtype, device: str, onednn: bool = False,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, fp8_gemm: bool = False,
     ) -> None:
         if config.attn_logit_softcap is not None:
             raise UnsupportedGemmaConfig(
@@ -69,7 +69,7 @@ class Gemma3Model(LlamaModel):
         if config.hidden_act != "gelu_pytorch_tanh":
             raise UnsupportedGemmaConfig(f"Gemma 3 with hidden_activation {config.hidden_act!r} "
                                          "is not supported (gelu_pytorch_tanh is)")
-        super().__init__(config, path, dtype, device, onednn, tp)
+        super().__init__(config, path, dtype, device, onednn, tp, fp8_gemm)
         self.final_norm = _one_plus(self.final_norm)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
         self.local_rope = RotaryEmbedding(

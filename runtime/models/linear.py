@@ -14,7 +14,7 @@ built with oneDNN). "auto" picks oneDNN where it can and torch elsewhere.
 from __future__ import annotations
 
 import logging
-from typing import get_args
+from typing import Protocol, get_args
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,16 @@ from runtime.config import LinearBackend
 log = logging.getLogger(__name__)
 
 LINEAR_BACKENDS: tuple[LinearBackend, ...] = get_args(LinearBackend)
+
+
+class Matmul(Protocol):
+    """What a model layer calls for a matmul: a Linear, or one with quantized weights
+    (quantize.py, fp8_linear.py)."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear:

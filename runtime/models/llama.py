@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from runtime.attention.base import AttentionBackend
 from runtime.forward_batch import ForwardBatch
 from runtime.model_config import ModelConfig
-from runtime.models.linear import Linear
+from runtime.models.fp8 import FP8Weight
+from runtime.models.fp8_linear import build_linear
+from runtime.models.linear import Linear, Matmul
 from runtime.models.mlp import FeedForward, GatedMLP
 from runtime.models.parallel import TensorParallel
 from runtime.models.rope import RotaryEmbedding, apply_rope
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2 * KVH) * D, with Qwen2's biases
-    o: Linear  # H * D -> hidden
+    qkv: Matmul  # hidden -> (H + 2 * KVH) * D, with Qwen2's biases
+    o: Matmul  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
     mlp: FeedForward  # dense (GatedMLP) or sparse (moe.SparseMoE)
 
@@ -73,10 +75,12 @@ TORCH_OPS = TorchOps()
 class LlamaModel:
     def __init__(
         self, config: ModelConfig, path: Path, dtype: torch.dtype, device: str, onednn: bool = False,
-        tp: TensorParallel | None = None,
+        tp: TensorParallel | None = None, fp8_gemm: bool = False,
     ) -> None:
         """onednn: run the matmuls through oneDNN (linear.use_onednn decides where it can).
-        tp: this rank's part of the model under tensor parallelism (None: all of it)."""
+        tp: this rank's part of the model under tensor parallelism (None: all of it).
+        fp8_gemm: an fp8 checkpoint's matmuls keep their fp8 weights and run fp8 GEMMs
+        (fp8_linear.py: CUDA, sm_89+); else its weights are dequantized at load."""
         self.config = config
         self.dtype = dtype
         self.onednn = onednn
@@ -86,7 +90,7 @@ class LlamaModel:
         (h0, h1), (k0, k1) = tp.heads(c), tp.kv_heads(c)
         self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0  # this rank's
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
-        w = Weights(path, dtype, device, tp, config.fp8)  # (fp8 weights dequantized)
+        w = Weights(path, dtype, device, tp, config.fp8, keep_fp8=fp8_gemm)
         self.vocab_rows = tp.vocab(c.vocab_size)
         self.embed = w.rows("model.embed_tokens.weight", *self.vocab_rows)  # [vocab part, hidden]
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
@@ -129,13 +133,14 @@ class LlamaModel:
         p, d = f"model.layers.{i}.", self.config.head_dim
         (h0, h1), (k0, k1) = self.tp.heads(self.config), self.tp.kv_heads(self.config)
         spans = {"q": (h0 * d, h1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)}
-        attn = [w.rows(f"{p}self_attn.{n}_proj.weight", *spans[n]) for n in "qkv"]
+        attn = [w.matmul(f"{p}self_attn.{n}_proj.weight", rows=spans[n]) for n in "qkv"]
         biases = [w.rows(f"{p}self_attn.{n}_proj.bias", *spans[n])
                   for n in "qkv" if f"{p}self_attn.{n}_proj.bias" in w]
         return LayerWeights(
             input_norm=w.pop(f"{p}input_layernorm.weight"),
-            qkv=Linear(torch.cat(attn), torch.cat(biases) if biases else None, self.onednn),
-            o=Linear(w.cols(f"{p}self_attn.o_proj.weight", h0 * d, h1 * d), None, self.onednn),
+            qkv=self.linear(attn, torch.cat(biases) if biases else None, f"{p}qkv"),
+            o=self.linear([w.matmul(f"{p}self_attn.o_proj.weight", cols=(h0 * d, h1 * d))], None,
+                          f"{p}o_proj"),
             post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
             mlp=self._mlp(w, i),
         )
@@ -147,9 +152,14 @@ class LlamaModel:
     def gated_mlp(self, w: Weights, p: str) -> GatedMLP:
         """The gated MLP whose gate_proj, up_proj and down_proj weights are under `p` (this
         rank's share of the intermediate size)."""
-        gate_up = torch.cat([w.split_rows(f"{p}gate_proj.weight"), w.split_rows(f"{p}up_proj.weight")])
-        return GatedMLP(Linear(gate_up, None, self.onednn),
-                        Linear(w.split_cols(f"{p}down_proj.weight"), None, self.onednn))
+        gate_up = [w.split_matmul(f"{p}gate_proj.weight", 0), w.split_matmul(f"{p}up_proj.weight", 0)]
+        return GatedMLP(self.linear(gate_up, None, f"{p}gate_up"),
+                        self.linear([w.split_matmul(f"{p}down_proj.weight", 1)], None, f"{p}down"))
+
+    def linear(self, parts: list[torch.Tensor | FP8Weight], bias: torch.Tensor | None,
+               name: str) -> Matmul:
+        """One matmul from its weight's parts (rows, in order); an fp8 one where they are fp8."""
+        return build_linear(parts, bias, self.onednn, self.dtype, name)
 
     @torch.inference_mode()
     def forward(

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime.models.linear import Linear
+from runtime.models.linear import Matmul
 
 
 class SmallOps(Protocol):
@@ -31,7 +31,7 @@ class GatedMLP:
 
     cuda_graph_safe = True
 
-    def __init__(self, gate_up: Linear, down: Linear) -> None:
+    def __init__(self, gate_up: Matmul, down: Matmul) -> None:
         self.gate_up, self.down = gate_up, down  # hidden -> 2 * inter; inter -> hidden
 
     def __call__(self, h: torch.Tensor, ops: SmallOps) -> torch.Tensor:

@@ -15,6 +15,7 @@ mode to its agreement gate; docs/performance.md has the numbers and the crossove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -98,10 +99,17 @@ def dense_weight(linear: Linear) -> torch.Tensor:
 
 
 def quantize(model: Any, kind: str, max_rows: int) -> int:
-    """Replace every Linear reachable from `model.layers` (their attributes and the
-    dataclasses and runtime.models objects they hold) by a `kind` (int8, int4) weight-only one;
-    returns how many. The model's own lm_head is left as it is."""
-    cls, done = KINDS[kind], 0
+    """Replace every Linear reachable from `model.layers` by a `kind` (int8, int4) weight-only
+    one; returns how many. The model's own lm_head is left as it is."""
+    cls = KINDS[kind]
+    return replace_linears(model, lambda lin: cls(dense_weight(lin), lin.bias, lin.onednn, max_rows))
+
+
+def replace_linears(model: Any, swap: Callable[[Linear], Any | None]) -> int:
+    """Replace every Linear reachable from `model.layers` (their attributes and the dataclasses
+    and runtime.models objects they hold; not the lm_head) by `swap(linear)`, where that is not
+    None; returns how many were replaced."""
+    done = 0
 
     def visit(obj: Any) -> None:
         nonlocal done
@@ -109,8 +117,10 @@ def quantize(model: Any, kind: str, max_rows: int) -> int:
         for name in names:
             value = getattr(obj, name)
             if isinstance(value, Linear):
-                setattr(obj, name, cls(dense_weight(value), value.bias, value.onednn, max_rows))
-                done += 1
+                new = swap(value)
+                if new is not None:
+                    setattr(obj, name, new)
+                    done += 1
             elif isinstance(value, list):
                 for item in value:
                     if _ours(item):

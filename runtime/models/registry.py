@@ -44,7 +44,9 @@ class CausalLM(Protocol):
 
 # (config, checkpoint folder, dtype, device, matmuls through oneDNN, this rank's part) -> the
 # loaded model
-ModelFactory = Callable[[ModelConfig, Path, "torch.dtype", str, bool, "TensorParallel"], CausalLM]
+# (config, path, dtype, device, onednn, tp, fp8_gemm) -> the model
+ModelFactory = Callable[[ModelConfig, Path, "torch.dtype", str, bool, "TensorParallel", bool],
+                        CausalLM]
 
 
 def _llama() -> ModelFactory:
@@ -121,7 +123,9 @@ def check_architecture(model_path: Path, tp: int = 1) -> Family:
 
 
 def build_model(config: ModelConfig, path: Path, dtype: torch.dtype, device: str,
-                onednn: bool, tp: TensorParallel) -> CausalLM:
+                onednn: bool, tp: TensorParallel, fp8_gemm: bool = False) -> CausalLM:
     """The model of `config.architecture`'s family with the checkpoint's weights loaded (this
-    rank's part of them under tensor parallelism)."""
-    return family_of(config.architecture).factory()(config, path, dtype, device, onednn, tp)
+    rank's part of them under tensor parallelism; an fp8 checkpoint's matmul weights kept in
+    fp8 with `fp8_gemm`, else dequantized)."""
+    return family_of(config.architecture).factory()(config, path, dtype, device, onednn, tp,
+                                                    fp8_gemm)

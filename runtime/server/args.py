@@ -100,6 +100,16 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
     return args
 
 
+def _check_quantization(kind: str, device: str) -> list[str]:
+    if kind in ("int8", "int4") and not device.startswith("cpu"):
+        return [f"--quantization {kind} is a CPU mode (on CUDA: --quantization fp8, or an fp8 "
+                "checkpoint)"]
+    if kind == "fp8" and not device.startswith("cuda"):
+        return ["--quantization fp8 needs --device cuda (fp8 GEMMs, sm_89 or later); on the CPU "
+                "use --quantization int8 or int4"]
+    return []
+
+
 def _check(args: ServerArgs) -> list[str]:
     problems = []
     for obj, names in (
@@ -117,9 +127,7 @@ def _check(args: ServerArgs) -> list[str]:
     if fraction is not None and not args.engine.device.startswith("cuda"):
         problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
                         "(on the CPU, --max-total-tokens sets the pool)")
-    if args.engine.quantization != "none" and not args.engine.device.startswith("cpu"):
-        problems.append(f"--quantization {args.engine.quantization} is a CPU mode (on CUDA, load an "
-                        "fp8 checkpoint)")
+    problems += _check_quantization(args.engine.quantization, args.engine.device)
     if args.engine.tp_timeout_s <= 0:
         problems.append("--tp-timeout-s must be > 0")
     if args.engine.tp > 1 and args.role != "colocated":

@@ -4,7 +4,7 @@ machine code, here, on a machine without a GPU.
 test_triton_kernels.py and tests/models/test_fused.py check what the kernels compute, in the
 interpreter; this checks what only the compiler sees: that triton lowers them, with the
 arguments the engine passes, to a cubin for an H100 (sm_90, every dtype), an A100 (sm_80) and an
-L4 (sm_89), within the GPU's shared memory per block and without spilling registers to local
+L4 (sm_89) (the block-FP8 GEMM for sm_90 and sm_89 only: fp8 dot needs sm_89), within the GPU's shared memory per block and without spilling registers to local
 memory (tests/attention/triton_offline.py does the compiling, in a subprocess: the kernels there
 must not be the interpreter's).
 """
@@ -41,10 +41,11 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def test_every_kernel_compiles_for_every_target(compiled: list[dict[str, Any]]) -> None:
-    from tests.attention.triton_offline import KERNELS, PLAN, SHAPES
+    from tests.attention.triton_offline import FP8_GEMM, FP8_PLAN, KERNELS, PLAN, SHAPES
 
     want = {(arch, shape[0], dtype, kernel) for arch, dtypes in PLAN for shape in SHAPES
             for dtype in dtypes for kernel in KERNELS}  # fmt: skip
+    want |= {(arch, "llama-8b", "fp8", kernel) for arch in FP8_PLAN for kernel in FP8_GEMM}
     got = {(r["arch"], r["shape"], r["dtype"], r["kernel"]) for r in compiled}
     assert got == want
     assert {arch for arch, _ in PLAN} == set(SHARED_PER_BLOCK)

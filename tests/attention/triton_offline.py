@@ -3,7 +3,7 @@
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
 nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches the engine builds
 (attention's paged_decode, paged_extend, with and without a sliding window, and store_kv, the
-model's fused ops): the same
+model's fused ops, the block-FP8 GEMM for sm_89/sm_90): the same
 specialization (argument types, 16-byte divisibility), lowering, and ptxas to a cubin, which is
 what a GPU would then load. The bundled cuobjdump reads the cubin's registers and local memory
 (spills).
@@ -31,6 +31,7 @@ from triton.runtime.driver import driver
 from runtime.attention.triton_backend import paged_decode, paged_extend, store_kv
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
+from runtime.models.fp8_gemm import block_fp8_gemm_launch
 from runtime.models.fused import add_rms_norm_launch, rope_launch, silu_mul_launch
 from runtime.models.rope import RotaryEmbedding
 from runtime.triton_launch import Launch
@@ -48,6 +49,10 @@ KERNELS = ("decode", "extend", "decode-sliding", "extend-sliding", "store_kv", "
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what to build: (GPU arch, dtypes); sm_90 is an H100, sm_80 an A100, sm_89 an L4
 PLAN = [(90, ["fp32", "bf16", "fp16"]), (80, ["bf16"]), (89, ["bf16"])]
+# the block-FP8 GEMM (fp8 dot: sm_89+), bf16 out, once per tile height (decode's 16 rows, 32,
+# prefill's 64) on llama-8b's gate_up (K 4096, N 28672): its shapes only change the grid
+FP8_GEMM = {"fp8_gemm-m16": 16, "fp8_gemm-m32": 32, "fp8_gemm-m64": 64}
+FP8_PLAN = [90, 89]
 
 
 class Offline:
@@ -92,6 +97,16 @@ def launches(heads: int, kv_heads: int, head_dim: int, context: int, hidden: int
     }
 
 
+def fp8_gemm_launches() -> dict[str, Launch]:
+    k, n = 4096, 28672
+    w, w_s = torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n, k // 128)
+    out = {}
+    for name, m in FP8_GEMM.items():
+        x, x_s = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.zeros(m, k // 128)
+        out[name] = block_fp8_gemm_launch(x, x_s, w, w_s, 128, torch.bfloat16)
+    return out
+
+
 def resources(cubin: bytes) -> dict[str, int]:
     """REG, STACK, SHARED (static) and LOCAL of the cubin's one function, from cuobjdump."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -109,18 +124,29 @@ def main() -> None:
         driver.set_active(Offline(arch))
         for name, *shape in SHAPES:
             for dtype in dtypes:
-                built = launches(*shape, DTYPES[dtype])
-                for kernel, launch in built.items():
-                    compiled: Any = launch.kernel.warmup(
-                        *launch.args, grid=launch.grid, **launch.constants
-                    )
-                    row = {"arch": arch, "shape": name, "dtype": dtype, "kernel": kernel,
-                           "cubin_bytes": len(compiled.asm["cubin"]),
-                           "dynamic_shared": compiled.metadata.shared,
-                           "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
-                           **resources(compiled.asm["cubin"])}  # fmt: skip
-                    print(json.dumps(row), flush=True)
+                for kernel, launch in launches(*shape, DTYPES[dtype]).items():
+                    report(arch, name, dtype, kernel, launch)
+    for arch in FP8_PLAN:
+        driver.set_active(Offline(arch))
+        # NOTE: a JIT function keeps the target it first saw per device id (device_caches), so
+        # without this sm_89 would get sm_90's cubin again. PLAN's loop above does not clear them
+        # yet: with it cleared, rope's bf16 PTX on sm_80/sm_89 shows fma (to look into apart).
+        built = fp8_gemm_launches()
+        next(iter(built.values())).kernel.device_caches.clear()
+        for kernel, launch in built.items():
+            report(arch, "llama-8b", "fp8", kernel, launch)
     print(json.dumps({"triton": triton.__version__}), file=sys.stderr)
+
+
+def report(arch: int, shape: str, dtype: str, kernel: str, launch: Launch) -> None:
+    """Compile one launch for `arch` and print what the cubin needs, as one JSON line."""
+    compiled: Any = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constants)
+    row = {"arch": arch, "shape": shape, "dtype": dtype, "kernel": kernel,
+           "cubin_bytes": len(compiled.asm["cubin"]),
+           "dynamic_shared": compiled.metadata.shared,
+           "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
+           **resources(compiled.asm["cubin"])}  # fmt: skip
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,14 @@ def test_a_fault_the_canary_cannot_catch_is_refused(
     err = capsys.readouterr().err
     assert f"--perturb {kind}" in err and needs[0] in err, err
     assert parse_server_args([*flags, *needs]).canary.perturb == f"{kind}=0.1"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--quantization", "fp8"], "--quantization fp8 needs --device cuda"),
+    (["--device", "cuda", "--quantization", "int4"], "--quantization int4 is a CPU mode")])
+def test_a_quantization_for_the_other_device_exits_2(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert parse_server_args(["--device", "cuda", "--quantization", "fp8"]).engine.quantization == "fp8"
