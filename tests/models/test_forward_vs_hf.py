@@ -119,6 +119,15 @@ def test_extend_chunks_and_decode_match_hf_logits(tiny: tuple[Path, Any], backen
     check_logits(path, hf, backend, "torch" if backend == "torch" else "auto")
 
 
+def _forward(runner: ModelRunner, fb: Any) -> torch.Tensor:
+    """Every position's logits of `fb`, staged as ModelRunner.forward_batch stages a batch: on
+    the runner's device, with the req->token table's writes it queued (on the CPU they are made
+    at once; on a GPU a kernel that reads the table before them reads stale rows)."""
+    fb = fb.to(runner.device)
+    runner.kv.req_to_token.apply(fb.table_writes)
+    return runner.model.forward(fb, runner.attn, None)
+
+
 def check_logits(path: Path, hf: Any, attention: str, linear: str,
                  device: str = "cpu") -> ModelRunner:
     """40 random tokens through our forward, as two extend chunks (the second reading the first
@@ -137,13 +146,11 @@ def check_logits(path: Path, hf: Any, attention: str, linear: str,
     got = []
     for lo, hi in ((0, 17), (17, 30)):  # two chunks: the second reads the first from the pool
         batch = ScheduleBatch(reqs=[req], extend_lens=[hi - lo], is_last_chunk=[hi == 30])
-        fb = batch.prepare_for_extend(runner.kv).to(runner.device)  # as the runner stages it
-        got.append(runner.model.forward(fb, runner.attn, None))
+        got.append(_forward(runner, batch.prepare_for_extend(runner.kv)))
     for tok in ids[30:]:  # decode the rest one token at a time
         req.output_ids.append(tok)
         batch = ScheduleBatch(reqs=[req], input_ids=torch.tensor([tok]))
-        fb = batch.prepare_for_decode(runner.kv).to(runner.device)
-        got.append(runner.model.forward(fb, runner.attn, None))
+        got.append(_forward(runner, batch.prepare_for_decode(runner.kv)))
     ours = torch.cat(got).cpu()
     # decode logits are for the token after each input: align with HF's rows 30..39
     torch.testing.assert_close(ours, want, atol=2e-4, rtol=1e-4)
