@@ -109,21 +109,29 @@ def leave_group() -> None:
 class Calls:
     """One end of the KV call socket between rank 0 and a follower: messages (a length, then a
     pickle) both ways, sent under a lock from any thread. Rank 0 sends ("call", id, op, args)
-    and gets ("reply", id, error or None, value); a follower also sends ("event", name, args)."""
+    and gets ("reply", id, error or None, value); a follower also sends ("event", name, args).
+    A send waits at most `timeout_s` for the other side to read (a hung peer fails it); a
+    receive waits without a limit (the serving thread's; the process's end closes the socket)."""
 
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
-        self.sock, self.lock = sock, threading.Lock()
-        sock.settimeout(timeout_s)  # a peer that stops reading fails the send, never hangs it
+        self.sock, self.lock, self.timeout_s = sock, threading.Lock(), timeout_s
+        sock.setblocking(True)
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_HEADER.pack(len(data)) + data)
         with self.lock:
-            self.sock.sendall(_HEADER.pack(len(data)) + data)
+            deadline = time.monotonic() + self.timeout_s
+            while view:
+                if not _ready(self.sock.fileno(), select.POLLOUT, deadline):
+                    raise TimeoutError(f"the other TP rank read nothing for {self.timeout_s:.0f} s")
+                try:
+                    view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    continue
 
     def recv(self) -> Any:
-        """The next message; EOFError when the other side is gone. Waits without a limit (the
-        serving thread's; the process's end closes the socket)."""
-        self.sock.settimeout(None)
+        """The next message; EOFError when the other side is gone."""
         (n,) = _HEADER.unpack(self._exact(_HEADER.size))
         return pickle.loads(self._exact(n))
 

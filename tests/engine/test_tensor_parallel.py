@@ -159,3 +159,25 @@ def test_vocab_rows_cover_the_vocabulary_once() -> None:
     for vocab, tp in [(49155, 4), (49152, 3), (10, 4)]:
         spans = [TensorParallel(r, tp).vocab(vocab) for r in range(tp)]
         assert [i for lo, hi in spans for i in range(lo, hi)] == list(range(vocab))
+
+
+def test_a_call_to_a_rank_that_reads_nothing_times_out() -> None:
+    """The KV call socket between rank 0 and a follower: messages both ways, and a send to a
+    peer that stopped reading (a hung rank) fails within its timeout instead of hanging."""
+    import socket
+    import time
+
+    from runtime.scheduler.ranks import Calls
+
+    a, b = socket.socketpair()
+    ours, theirs = Calls(a, timeout_s=0.5), Calls(b, timeout_s=0.5)
+    try:
+        ours.send(("call", 1, "revoke", (7,)))
+        assert theirs.recv() == ("call", 1, "revoke", (7,))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="read nothing"):
+            ours.send(b"x" * (64 << 20))  # more than the socket buffers hold
+        assert time.monotonic() - start < 5
+    finally:
+        ours.close()
+        theirs.close()
