@@ -6,7 +6,8 @@ scheduler -> disagg); the scheduler's Req, Scheduler and Handoffs satisfy them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal, Protocol, Self, TypeVar
 
 from runtime.handover import Bootstrap, KVOffer
@@ -76,3 +77,15 @@ class HandoffPort(Protocol[R]):
     def kv_fence(self) -> int: ...
 
     def fence_passed(self, fence: int) -> bool: ...
+
+
+class RankCalls(Protocol):
+    """Rank 0's line to its TP followers' KV planes (runtime/scheduler/ranks.py `Ranks`;
+    runtime/disagg/ranks_plane.py)."""
+
+    on_event: Callable[[int, str, tuple[Any, ...]], None]
+
+    @property
+    def followers(self) -> range: ...
+
+    def call(self, rank: int, op: str, *args: Any) -> Future[Any]: ...

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from runtime.canary.guard import CanaryGuard
     from runtime.canary.monitor import CanaryMonitor
     from runtime.config import ServerArgs
-    from runtime.disagg.ranks_plane import RankCalls
+    from runtime.disagg.interfaces import RankCalls
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any
 
 from runtime.auth.key import load_cluster_key
 from runtime.disagg.fence import WriteFence
+from runtime.disagg.interfaces import RankCalls
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.sender import KVSender
 from runtime.disagg.shares import Share
@@ -40,17 +41,6 @@ from runtime.kvcache.pool import KVPool
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0  # a follower answers a fence call at once; a write has SEND_TIMEOUT_S
-
-
-class RankCalls(Protocol):
-    """Rank 0's line to its followers (runtime/scheduler/ranks.py `Ranks`)."""
-
-    on_event: Callable[[int, str, tuple[Any, ...]], None]
-
-    @property
-    def followers(self) -> range: ...
-
-    def call(self, rank: int, op: str, *args: Any) -> Future[Any]: ...
 
 
 def open_followers(ranks: RankCalls, role: str, name: str, layout: KVLayout, backend: str,

@@ -24,16 +24,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from runtime.auth.key import ClusterKey
 from runtime.disagg.handshake import open_link
+from runtime.disagg.interfaces import RankCalls
 from runtime.disagg.shares import Share, Split, plan
 from runtime.disagg.transfer.base import KVTransfer, TransferError
 from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomDone, RoomFailed, send_frame
-
-if TYPE_CHECKING:
-    from runtime.disagg.ranks_plane import RankCalls
 
 log = logging.getLogger(__name__)
 
