@@ -62,6 +62,29 @@ def test_kernels_fit_in_shared_memory_and_registers(compiled: list[dict[str, Any
 def test_rope_rounds_each_product_as_torch_does(compiled: list[dict[str, Any]]) -> None:
     """RoPE is bit-exact with torch's x*cos + rotate_half(x)*sin only if each product is rounded
     before the sum: no fused multiply-add in its PTX (triton contracts one by default: on an H100
-    that left 15-22% of outputs an ulp off torch's, float32 and bf16)."""
+    that left 15-22% of outputs an ulp off torch's, float32 and bf16). sm_80 and sm_89 have no
+    bf16 mul or add: their fma(a, b, -0) and fma(a, ±1, c) are those, rounded once, not fused
+    (`triton_offline.fused_fmas`)."""
     rope = [r for r in compiled if r["kernel"] == "rope"]
-    assert rope and all(r["fma"] == 0 for r in rope), [r for r in rope if r["fma"]]
+    assert {r["arch"] for r in rope} == {80, 89, 90}
+    assert all(r["fma"] == 0 for r in rope), [r for r in rope if r["fma"]]
+
+
+def test_a_fused_fma_is_told_from_a_bf16_mul_or_add() -> None:
+    from tests.attention.triton_offline import fused_fmas
+
+    sm80 = """mov.b16 %rs10, 0x8000;
+    mov.b16 %rs16, 0x3F80;
+    fma.rn.bf16 %rs11, %rs1, %rs4, %rs10;
+    fma.rn.bf16 %rs9, %rs13, %rs16, %rs14;"""
+    assert fused_fmas(sm80) == 0
+    assert fused_fmas(sm80 + "\nfma.rn.bf16 %rs8, %rs12, %rs15, %rs11;") == 1
+    assert fused_fmas("fma.rn.f32 %r3, %r1, %r2, %r0;") == 1
+
+
+def test_each_target_is_compiled_for_itself(compiled: list[dict[str, Any]]) -> None:
+    """A JIT function keeps its compiled kernels per device id: each target must get its own
+    cubin, not the first target's back (sm_80's and sm_90's cubins of one kernel differ)."""
+    cubins = {(r["arch"], r["shape"], r["kernel"]): r["cubin_bytes"] for r in compiled
+              if r["dtype"] == "bf16"}
+    assert any(cubins[(80, s, k)] != cubins[(90, s, k)] for (a, s, k) in cubins if a == 80)

@@ -122,20 +122,46 @@ def resources(cubin: bytes) -> dict[str, int]:
 def main() -> None:
     for arch, dtypes in PLAN:
         driver.set_active(Offline(arch))
+        fresh: set[int] = set()
         for name, *shape in SHAPES:
             for dtype in dtypes:
                 for kernel, launch in launches(*shape, DTYPES[dtype]).items():
+                    _fresh(launch, fresh)
                     report(arch, name, dtype, kernel, launch)
     for arch in FP8_PLAN:
         driver.set_active(Offline(arch))
-        # NOTE: a JIT function keeps the target it first saw per device id (device_caches), so
-        # without this sm_89 would get sm_90's cubin again. PLAN's loop above does not clear them
-        # yet: with it cleared, rope's bf16 PTX on sm_80/sm_89 shows fma (to look into apart).
-        built = fp8_gemm_launches()
-        next(iter(built.values())).kernel.device_caches.clear()
-        for kernel, launch in built.items():
+        fresh = set()
+        for kernel, launch in fp8_gemm_launches().items():
+            _fresh(launch, fresh)
             report(arch, "llama-8b", "fp8", kernel, launch)
     print(json.dumps({"triton": triton.__version__}), file=sys.stderr)
+
+
+def _fresh(launch: Launch, cleared: set[int]) -> None:
+    """Forget what the kernel compiled for the previous target: a JIT function keeps its
+    compiled kernels per device id (`device_caches`), and Offline's device is always 0, so
+    without this every later target would get the first one's cubin back."""
+    if id(launch.kernel) not in cleared:
+        launch.kernel.device_caches.clear()
+        cleared.add(id(launch.kernel))
+
+
+# immediates (PTX hex) of -0.0, and of 1.0 and -1.0, in bf16, fp16 and f32
+NEG_ZERO = {"0x8000", "0f80000000"}
+ONES = {"0x3F80", "0xBF80", "0x3C00", "0xBC00", "0f3F800000", "0fBF800000"}
+
+
+def fused_fmas(ptx: str) -> int:
+    """The fma instructions in `ptx` that fuse a product into a sum: not those that stand for
+    one operation rounded once, fma(a, b, -0) for a*b and fma(a, ±1, c) for c ± a (how sm_80 and
+    sm_89, which have no bf16 mul or add, compute bf16 products and sums)."""
+    consts = dict(re.findall(r"mov\.b(?:16|32)\s+(%\w+),\s*(0[xf][0-9A-Fa-f]+);", ptx))
+    fused = 0
+    for a, b, c in re.findall(r"\bfma\.\S+\s+%\w+,\s*(%?\w+),\s*(%?\w+),\s*(%?\w+);", ptx):
+        a, b, c = (consts.get(x, x) for x in (a, b, c))
+        if c not in NEG_ZERO and a not in ONES and b not in ONES:
+            fused += 1
+    return fused
 
 
 def report(arch: int, shape: str, dtype: str, kernel: str, launch: Launch) -> None:
@@ -144,7 +170,7 @@ def report(arch: int, shape: str, dtype: str, kernel: str, launch: Launch) -> No
     row = {"arch": arch, "shape": shape, "dtype": dtype, "kernel": kernel,
            "cubin_bytes": len(compiled.asm["cubin"]),
            "dynamic_shared": compiled.metadata.shared,
-           "fma": len(re.findall(r"\bfma\.", compiled.asm["ptx"])),
+           "fma": fused_fmas(compiled.asm["ptx"]),
            **resources(compiled.asm["cubin"])}  # fmt: skip
     print(json.dumps(row), flush=True)
 
