@@ -34,6 +34,7 @@ from baton_operator.checks import (
     strings,
 )
 from baton_operator.model import ModelSource, SecretKeyRef, parse_model, secret_ref
+from baton_operator.parallel import check_pool, tensor_parallel_size
 
 __all__ = ["ROLES", "WORKER_ROLES", "InferenceService", "InvalidSpec", "ModelSource",
            "Role", "WorkerRole", "parse_service"]
@@ -65,7 +66,10 @@ _LONGEST_SUFFIX = len("-prefill")
 
 
 GPU_RESOURCE = "nvidia.com/gpu"
-CPU_SHM, GPU_SHM = "1Gi", "8Gi"  # /dev/shm: NCCL and UCX stage through it on a GPU node
+# /dev/shm in GiB: NCCL and UCX stage through it on a GPU node; 1 GiB more per rank past the
+# first (NCCL's shared-memory transport between a pod's ranks)
+CPU_SHM_GIB, GPU_SHM_GIB = 1, 8
+CPU_SHM = f"{CPU_SHM_GIB}Gi"
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,8 @@ class Images:
 
 @dataclass(frozen=True)
 class Gpu:
-    """`spec.<pool>.gpu`: the pool runs on NVIDIA GPUs, one per pod (docs/operator.md "GPU
-    pools")."""
+    """`spec.<pool>.gpu`: the pool runs on NVIDIA GPUs, `count` per pod, one per TP rank
+    (docs/operator.md "GPU pools")."""
 
     count: int = 1
     product: str | None = None  # the nodes' nvidia.com/gpu.product label
@@ -104,6 +108,7 @@ class Pool:
     max_unavailable: int | str = 0
     template: Mapping[str, Any] = field(default_factory=dict)
     gpu: Gpu | None = None
+    tensor_parallel_size: int = 1  # ranks in each pod (`--tp`); the GPU count on a GPU pool
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ def parse_service(body: Mapping[str, Any], images: Images | None = None) -> Infe
             f"{63 - _LONGEST_SUFFIX} characters (children are named <name>-prefill)"
         )
     spec = mapping(body.get("spec"), "spec")
-    return InferenceService(
+    svc = InferenceService(
         name=name,
         namespace=str(meta.get("namespace") or "default"),
         uid=str(meta.get("uid") or ""),
@@ -218,6 +223,11 @@ def parse_service(body: Mapping[str, Any], images: Images | None = None) -> Infe
         autoscaling=_autoscaling(mapping(spec.get("autoscaling"), "spec.autoscaling")),
         network_policy=_network_policy(mapping(spec.get("networkPolicy"), "spec.networkPolicy")),
     )
+    for role in WORKER_ROLES:
+        pool = svc.pool(role)
+        check_pool(f"spec.{role}", pool.tensor_parallel_size, kv_backend=svc.kv_backend,
+                   args=pool.args, model=svc.model)
+    return svc
 
 
 def _pool(raw: Any, where: str) -> Pool:
@@ -225,7 +235,10 @@ def _pool(raw: Any, where: str) -> Pool:
     rollout = mapping(pool.get("rolloutStrategy"), f"{where}.rolloutStrategy")
     resources = mapping(pool.get("resources"), f"{where}.resources")
     gpu = _gpu(pool.get("gpu"), resources, where)
-    shm = pool.get("sharedMemorySize", GPU_SHM if gpu is not None else CPU_SHM)
+    tp = tensor_parallel_size(pool.get("tensorParallelSize"),
+                              None if gpu is None else gpu.count, where)
+    base = GPU_SHM_GIB if gpu is not None else CPU_SHM_GIB
+    shm = pool.get("sharedMemorySize", f"{base + tp - 1}Gi")
     if isinstance(shm, bool) or not ((isinstance(shm, int) and shm >= 0) or
                                      (isinstance(shm, str) and QUANTITY.match(shm))):
         raise InvalidSpec(f"{where}.sharedMemorySize {shm!r}: expected a quantity such as 1Gi")
@@ -243,6 +256,7 @@ def _pool(raw: Any, where: str) -> Pool:
                                        f"{where}.rolloutStrategy.maxUnavailable"),
         template=_template(pool.get("template"), f"{where}.template"),
         gpu=gpu,
+        tensor_parallel_size=tp,
     )
 
 
@@ -260,10 +274,7 @@ def _gpu(raw: Any, resources: Mapping[str, Any], where: str) -> Gpu | None:
                               limit_field, minimum=1)
         if raw is not None and "count" in gpu and limit_count != count:
             raise InvalidSpec(f"{field} {count} and {limit_field} {limit_count} disagree")
-        field, count = limit_field, limit_count
-    if count > 1:
-        raise InvalidSpec(f"{field} {count}: one GPU per pod for now (tensor parallelism "
-                          "does not exist yet); scale with replicas instead")
+        count = limit_count
     fraction = gpu.get("memFractionStatic", 0.85)
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or \
             not 0 < fraction < 1:

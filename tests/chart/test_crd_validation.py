@@ -77,3 +77,30 @@ def test_the_name_rule_is_the_operators(crd_schema, name):
     except InvalidSpec:
         by_operator = False
     assert by_rule == by_operator, name
+
+
+@pytest.mark.parametrize("tp", [0, 1, 2, 64, 65, "2", 1.5])
+def test_the_crd_bounds_tensor_parallel_size_as_the_operator_does(crd_schema, tp):
+    """No schema default: the operator defaults it to the pool's gpu.count, else 1."""
+    for role in ("prefill", "decode"):
+        assert "default" not in spec_path(crd_schema, role, "tensorParallelSize")
+        spec = {"model": {"uri": "hf://org/name"}, "kvTransfer": {"backend": "tcp"},
+                role: {"tensorParallelSize": tp}}
+        assert (not errors(crd_schema, isvc(spec))) == operator_accepts(spec), (role, tp)
+
+
+def test_tensor_parallel_size_equals_the_gpu_count_is_a_cel_rule(crd_schema):
+    """CEL runs in the API server only: the rule is declared on both pools, and the operator
+    refuses what it refuses (a gpu.count other than tensorParallelSize)."""
+    for role in ("prefill", "decode"):
+        node = spec_path(crd_schema, role)
+        assert node["x-kubernetes-validations"] == [{
+            "rule": "!has(self.tensorParallelSize) || !has(self.gpu) || self.tensorParallelSize"
+                    " == (has(self.gpu.count) ? self.gpu.count : 1)",
+            "message": "tensorParallelSize must equal gpu.count (one GPU per rank)"}]
+        base = {"model": {"uri": "hf://org/name"}, "kvTransfer": {"backend": "tcp"}}
+        assert not operator_accepts({**base, role: {"tensorParallelSize": 2, "gpu": {}}})
+        assert not operator_accepts({**base, role: {"tensorParallelSize": 1,
+                                                    "gpu": {"count": 2}}})
+        assert operator_accepts({**base, role: {"tensorParallelSize": 2, "gpu": {"count": 2}}})
+        assert operator_accepts({**base, role: {"gpu": {"count": 2}}})  # the default

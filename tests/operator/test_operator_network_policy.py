@@ -19,7 +19,7 @@ from baton_operator.builders import build_children, build_deployment, optional_c
 from baton_operator.spec import ROLES, InferenceService, parse_service
 
 UCX = range(20000, 20016)
-PROBED_PORTS = (22, 8000, 8997, 8998, 8999, 19999, 20000, 20007, 20015, 20016)
+PROBED_PORTS = (22, 8000, 8997, 8998, 8999, 9000, 9001, 19999, 20000, 20007, 20015, 20016)
 NAMESPACES = {"serving": {"kubernetes.io/metadata.name": "serving"},
               "other": {"kubernetes.io/metadata.name": "other"},
               "ingress-nginx": {"kubernetes.io/metadata.name": "ingress-nginx"},
@@ -110,14 +110,15 @@ def promised(svc: InferenceService, pods: list[Pod], *, router_from: list[str] |
     me = f"{svc.namespace}/{svc.name}"
     everyone = [p.name for p in pods]
     nixl = [port for port in PROBED_PORTS if port in UCX] if svc.kv_backend == "nixl" else []
+    kv = [8999 + rank for rank in range(svc.decode.tensor_parallel_size)]  # a port per rank
     edges = {(src, f"{me}-router", 8000) for src in (everyone if router_from is None
                                                        else router_from + metrics_from)}
     edges |= {(src, f"{me}-{role}", 8000) for role in ("prefill", "decode")
               for src in [f"{me}-router", *metrics_from]}
     edges |= {(f"{me}-decode", f"{me}-prefill", port) for port in [8998, *nixl]}
-    edges |= {(f"{me}-prefill", f"{me}-decode", port) for port in [8999, *nixl]}
+    edges |= {(f"{me}-prefill", f"{me}-decode", port) for port in [*kv, *nixl]}
     # a draining decode moves its streams' KV to another decode (of the same pool)
-    edges |= {(f"{me}-decode", f"{me}-decode", port) for port in [8998, 8999, *nixl]}
+    edges |= {(f"{me}-decode", f"{me}-decode", port) for port in [8998, *kv, *nixl]}
     return edges
 
 
@@ -126,14 +127,15 @@ def into(edges: Iterable[tuple[str, str, int]], svc: InferenceService) -> set[tu
     return {e for e in edges if e[1].startswith(prefix)}
 
 
-@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+@pytest.mark.parametrize(("backend", "decode_tp"), [("nixl", 1), ("tcp", 1), ("tcp", 2)])
 @pytest.mark.parametrize("fenced", [False, True], ids=["router-open", "router-fenced"])
 def test_each_pod_accepts_exactly_its_service_peers_on_exactly_its_ports(
-        backend: str, fenced: bool) -> None:
+        backend: str, decode_tp: int, fenced: bool) -> None:
     fence: dict[str, Any] = {"metricsFrom": PROMETHEUS}
     if fenced:
         fence["routerFrom"] = INGRESS_CONTROLLER
-    llm = service("llm", "serving", kvTransfer={"backend": backend}, networkPolicy=fence)
+    llm = service("llm", "serving", kvTransfer={"backend": backend}, networkPolicy=fence,
+                  model={"uri": "hf://org/name"}, decode={"tensorParallelSize": decode_tp})
     chat = service("chat", "serving", kvTransfer={"backend": backend})  # a neighbour
     twin = service("llm", "other", kvTransfer={"backend": backend})  # same name, elsewhere
     extras = [Pod("serving/stranger", "serving", ()),

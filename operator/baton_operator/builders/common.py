@@ -16,9 +16,14 @@ LABEL_ROLE = "baton.dev/role"
 
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
-KV_PORT = 8999  # decode: the KV receiver prefill pods open their links to
+KV_PORT = 8999  # decode: the KV receiver prefill pods open their links to; rank r's: + r
 UCX_PORT_RANGE = (20000, 20015)  # nixl: UCX's TCP listeners (two per worker: lo and the NIC)
 UCX_PORTS = "{}-{}".format(*UCX_PORT_RANGE)
+
+
+def kv_ports(tp: int) -> range:
+    """A decode pod's KV receivers, one per TP rank (runtime: `--kv-port` + rank)."""
+    return range(KV_PORT, KV_PORT + tp)
 
 
 def child_name(svc: InferenceService, role: Role) -> str:

@@ -6,8 +6,8 @@ NetworkPolicy; egress is left open: routers call the API server, workers pull mo
 - router:  its HTTP port from anywhere, or only from `routerFrom` (e.g. the ingress controller)
            and `metricsFrom`;
 - prefill: HTTP from this service's routers; bootstrap from this service's decodes;
-- decode:  HTTP from this service's routers; the KV port from this service's prefills; the
-           bootstrap and KV ports from this service's decodes (a draining decode moves its
+- decode:  HTTP from this service's routers; the KV ports (one per TP rank) from this
+           service's prefills; the bootstrap and KV ports from this service's decodes (a draining decode moves its
            streams' KV to another: runtime/disagg/move.py);
 - nixl:    UCX's port range between this service's prefills and decodes, both ways, and
            between its decodes;
@@ -27,9 +27,9 @@ from typing import Any
 from baton_operator.builders.common import (
     BOOTSTRAP_PORT,
     HTTP_PORT,
-    KV_PORT,
     UCX_PORT_RANGE,
     child_name,
+    kv_ports,
     metadata,
     selector_labels,
 )
@@ -61,10 +61,12 @@ def _rules(svc: InferenceService, role: Role) -> list[dict[str, Any]]:
     else:
         peer: Role = "decode" if role == "prefill" else "prefill"
         ucx = [_port(*UCX_PORT_RANGE)] if svc.kv_backend == "nixl" else []
-        kv_plane = [_port(BOOTSTRAP_PORT if role == "prefill" else KV_PORT), *ucx]
+        kv = kv_ports(svc.decode.tensor_parallel_size)  # one receiver per decode rank
+        kv_port = _port(kv[0], kv[-1]) if len(kv) > 1 else _port(kv[0])
+        kv_plane = [_port(BOOTSTRAP_PORT) if role == "prefill" else kv_port, *ucx]
         rules = [_rule([_pods(svc, "router")], http), _rule([_pods(svc, peer)], kv_plane)]
         if role == "decode":
-            moves = [_port(BOOTSTRAP_PORT), _port(KV_PORT), *ucx]
+            moves = [_port(BOOTSTRAP_PORT), kv_port, *ucx]
             rules.append(_rule([_pods(svc, "decode")], moves))
     if fence.metrics_from:
         rules.append(_rule(fence.metrics_from, http))

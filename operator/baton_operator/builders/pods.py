@@ -17,6 +17,7 @@ from baton_operator.builders.common import (
     HTTP_PORT,
     KV_PORT,
     UCX_PORTS,
+    kv_ports,
     labels,
     selector_labels,
     service_host,
@@ -72,6 +73,9 @@ def serve_command(svc: InferenceService, role: WorkerRole) -> list[str]:
         cmd += ["--kv-port", str(KV_PORT), "--move-kv-on-drain"]
     cmd += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
     cmd += ["--kv-transfer", svc.kv_backend, "--served-model-name", svc.model.served_name]
+    tp = svc.pool(role).tensor_parallel_size
+    if tp > 1:  # the pool's ranks in this pod, one GPU each on a GPU pool
+        cmd += ["--tp", str(tp)]
     if role == "decode" and svc.router.fallback == "colocated":
         cmd += ["--allow-local-prefill"]  # the router's fallback with no prefill to pair
     gpu = svc.pool(role).gpu
@@ -109,10 +113,12 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     pool = svc.pool(role)
     volumes, mounts, init = _model_source(svc, role)
     # every port of the KV plane is declared: bootstrap (prefill; decode: where a draining
-    # decode offers KV), KV receiver (decode), and UCX's TCP listeners confined to a range (nixl)
+    # decode offers KV), KV receivers (decode: `kv`, and `kv-R` for TP rank R), and UCX's TCP
+    # listeners confined to a range (nixl)
     ports = [_port("http", HTTP_PORT), _port("bootstrap", BOOTSTRAP_PORT)]
     if role == "decode":
-        ports.append(_port("kv", KV_PORT))
+        ports += [_port(f"kv-{port - KV_PORT}" if port > KV_PORT else "kv", port)
+                  for port in kv_ports(pool.tensor_parallel_size)]
     env: tuple[Mapping[str, Any], ...] = (POD_IP_ENV, cluster_key.ENV, *_ucx_env(svc, pool.gpu),
                                           *pool.env)
     container = _container(svc, role, serve_command(svc, role), ports, _resources(pool), env,
