@@ -7,6 +7,11 @@ $XDG_CACHE_HOME/torch_extensions, else ~/.cache/torch_extensions) and returns
 torch's version and this CPU's feature flags, so a cached build is never loaded on a CPU it was
 not compiled for (-march=native). Where there is no compiler it returns None, says why once, and
 callers use plain torch.
+
+torch serializes builds with a lock file in the build folder and waits for it without a limit; a
+build that was killed leaves it behind, and every later start would wait for good. A lock older
+than STALE_LOCK_S (a build takes seconds) is removed, also while this process waits on it: the
+load then either finds the other process's library or fails, and callers use torch.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +33,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for uses torch's threads
 _LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 300.0
 
 
 def _cpu_flags() -> bytes:
@@ -63,6 +70,10 @@ def load_paged_decode() -> Callable[..., None] | None:
                     "attention", compiler)
         return None
     start = time.perf_counter()
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    done = threading.Event()
+    threading.Thread(target=_break_stale, args=(lock, done), daemon=True,
+                     name="native-build-lock").start()
     try:
         cpp_extension.load(
             name=name,
@@ -76,5 +87,27 @@ def load_paged_decode() -> Callable[..., None] | None:
         reason = next((line for line in lines if "error" in line.lower()), lines[-1])
         log.warning("native paged-decode kernel unavailable (%s); using torch attention", reason)
         return None
+    finally:
+        done.set()
     log.info("native paged-decode kernel ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.baton.paged_decode  # type: ignore[no-any-return]
+
+
+def clear_stale_lock(lock: Path, older_than_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock `lock` if it is older than `older_than_s` (its build was killed);
+    whether it was removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= older_than_s:
+        return False
+    log.warning("removing %s, %.0f s old: the build that took it is gone", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def _break_stale(lock: Path, done: threading.Event) -> None:
+    """While a load runs, remove its lock once it is stale (torch's wait has no limit)."""
+    while not done.wait(1.0):
+        clear_stale_lock(lock)

@@ -7,6 +7,7 @@ in shuffled order, so each request's slots are scattered the way they are after 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,20 @@ def test_cpu_backend_refuses_what_it_cannot_run_and_auto_falls_back() -> None:
             create_attention_backend("cpu", pool, table, 0.125)
         attn = create_attention_backend("auto", pool, table, 0.125)
         assert type(attn) is TorchAttention
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path: Path) -> None:
+    """torch waits for a build's lock file without a limit: one a killed build left behind
+    (older than STALE_LOCK_S) is removed, a fresh one (a build under way) is kept."""
+    import os
+    import time
+
+    from runtime.attention.native import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not clear_stale_lock(lock)  # none
+    lock.touch()
+    assert not clear_stale_lock(lock) and lock.exists()  # a build under way
+    old = time.time() - STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(lock) and not lock.exists()

@@ -84,5 +84,6 @@ def test_a_failed_hand_off_is_the_roles_to_call() -> None:
 def test_ready_tells_the_router_what_it_pairs_by() -> None:
     assert edge("colocated").ready_fields(dataclasses.replace(INFO, kv_transfer=None)) == {}
     assert edge("decode", local_prefill=True).ready_fields(INFO) == {
-        "kv_transfer": {"backend": "tcp"}, "instance_id": "baton-decode-D", "local_prefill": True}
+        "kv_transfer": {"backend": "tcp"}, "instance_id": "baton-decode-D", "local_prefill": True,
+        "tp": 1}
     assert edge("prefill").ready_fields(INFO)["local_prefill"] is False
