@@ -51,6 +51,10 @@ class EngineConfig:
         "(runtime/models/quantize.py, docs/performance.md). CUDA (sm_89+): fp8, the matmul "
         "weights in fp8 per output channel, activations per token, torch._scaled_mm "
         "(runtime/models/fp8_linear.py)"))
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = field(default="auto", metadata=_help(
+        "the KV pool's dtype: auto, the model's; fp8_e4m3, float8_e4m3fn pages with one scale per "
+        "layer for K and one for V (the checkpoint's k_scale/v_scale, else 1.0): twice the "
+        "tokens in the same bytes; attention: torch (runtime/kvcache/fp8.py)"))
     fp8_gemm: Literal["auto", "off"] = field(default="auto", metadata=_help(
         "an fp8 checkpoint's matmuls: auto keeps its weights in fp8 and runs fp8 GEMMs on CUDA "
         "at sm_89+ (elsewhere dequantized at load); off dequantizes them at load everywhere"))

@@ -99,6 +99,7 @@ class SchedulerReady:
     prefix_cache: bool = False
     architecture: str = ""  # config.json's, as the model registry ran it
     dtype: str = ""  # the weights' and activations' (e.g. "float32")
+    kv_cache_dtype: str = ""  # the KV pool's: the model's dtype, or "fp8_e4m3"
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from runtime.attention.base import BackendUnavailable
+from runtime.attention.base import BackendUnavailable, refuse_fp8_kv
 from runtime.attention.native import load_paged_decode
 from runtime.attention.torch_backend import TorchAttention
 from runtime.forward_batch import ForwardBatch
@@ -36,6 +36,7 @@ class CpuAttention(TorchAttention):
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
                windows: Sequence[int | None] = ()) -> CpuAttention:
+        refuse_fp8_kv(pool, "cpu")
         if pool.device.type != "cpu" or pool.dtype != torch.float32:
             raise BackendUnavailable(
                 f"cpu attention needs a float32 CPU pool, not {pool.dtype} on {pool.device}"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import AttentionBackend, BackendUnavailable
+from runtime.attention.base import AttentionBackend, BackendUnavailable, refuse_fp8_kv
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
@@ -70,6 +70,7 @@ class FlashInferAttention(AttentionBackend):
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
                windows: Sequence[int | None] = ()) -> FlashInferAttention:
+        refuse_fp8_kv(pool, "flashinfer")
         if any(w is not None for w in windows):
             raise BackendUnavailable(
                 "flashinfer attention: sliding-window layers are not wired to flashinfer here: "

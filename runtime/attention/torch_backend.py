@@ -2,7 +2,8 @@
 
 Decode: one gather of every request's K/V pages into a padded [B, L] block (whole pages, so the
 copy moves blocks rather than rows) and one SDPA call per layer.
-Extend: one SDPA per request; a request with no cached prefix attends to its fresh K/V directly.
+Extend: one SDPA per request; a request with no cached prefix attends to its fresh K/V directly
+(as the pool stores them: an fp8 pool's rounding included).
 A layer with a sliding window is the same call under a mask that hides what lies before its
 window (a windowed extend reads from the pool only the keys its first query can see).
 """
@@ -50,10 +51,10 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape
-        k_pages, v_pages = self.pool.pages(layer)
         # [B * P, ps, kv_heads, D] -> [B, P * ps, kv_heads, D] -> [B, kv_heads, P * ps, D]
-        keys = k_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
-        values = v_pages.index_select(0, self.page_ids).view(b, -1, self.pool.num_kv_heads, d)
+        k_pages, v_pages = self.pool.gather_pages(layer, self.page_ids)
+        keys = k_pages.view(b, -1, self.pool.num_kv_heads, d)
+        values = v_pages.view(b, -1, self.pool.num_kv_heads, d)
         out = F.scaled_dot_product_attention(
             q.view(b, h, 1, d),
             keys.transpose(1, 2),
@@ -68,6 +69,10 @@ class TorchAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         outs, window = [], self.window(layer)
+        # NOTE: a request with no cached prefix attends to its fresh K/V as the pool holds them
+        # (an fp8 pool rounds them), so its output does not depend on whether its prompt came
+        # from the cache or a prefill chunk: cached == uncached holds token for token.
+        k, v = self.pool.as_stored(layer, k, v)
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
             lo, hi = self.extend_offsets[i], self.extend_offsets[i + 1]
             qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

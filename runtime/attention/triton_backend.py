@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.attention.base import AttentionBackend, BackendUnavailable
+from runtime.attention.base import AttentionBackend, BackendUnavailable, refuse_fp8_kv
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
@@ -270,6 +270,7 @@ class TritonAttention(AttentionBackend):
             raise BackendUnavailable(
                 "triton attention: the triton package is not installed (pip install 'baton[cuda]')"
             )
+        refuse_fp8_kv(pool, "triton")
         if pool.device.type != "cuda" and not interpreting():
             raise BackendUnavailable(
                 f"triton attention needs a CUDA pool, not {pool.device} "

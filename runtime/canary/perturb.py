@@ -86,6 +86,10 @@ class Perturber:
         off = r.randrange(pool.page_size) if slot_in_page is None else slot_in_page
         element = pool.buffer[page, r.randrange(pool.num_layers), r.randrange(2), off,
                               r.randrange(pool.num_kv_heads), r.randrange(pool.head_dim)]
+        if element.element_size() == 1:  # fp8 has no neg_ on the CPU: flip its sign bit
+            element = element.view(torch.uint8)
+            element.bitwise_xor_(0x80)
+            return lambda: element.bitwise_xor_(0x80)  # type: ignore[return-value]
         element.neg_()
 
         def undo() -> None:

@@ -30,7 +30,8 @@ MAX_PAGES = 1 << 24  # far above any pool's page count; bounds a page list befor
 MAX_ID = 128  # decode ids, rids, hosts
 MAX_TEXT = 4096  # failure reasons, tickets
 MAX_INFO_BYTES = 1 << 20  # an aux record's customized_info, encoded
-DTYPES = ("float32", "bfloat16", "float16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # a pool's dtypes
+DTYPES = tuple(ITEMSIZE)
 CANARY_BYTES = ("none", "partial", "all")
 
 
@@ -61,6 +62,9 @@ class KVLayout:
     num_kv_heads: int  # the model's (a rank holds its share: shares.Split)
     head_dim: int
     dtype: str
+    # an fp8 pool's per-layer scales (runtime/kvcache/fp8.py KVScales.digest; "" for none): the
+    # same bytes mean the same values only under the same scales
+    kv_scales: str = ""
     # KV canary (docs/kv-canary.md): slot tags travel in the aux record; byte checksums of the
     # slots too unless "none". Both sides must agree, or one would send what the other ignores.
     canary_tags: bool = False
@@ -74,6 +78,10 @@ class KVLayout:
             in_range(f"KVLayout.{name}", getattr(self, name), 1, most)
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype: {self.dtype!r} is not one of {DTYPES}")
+        short_text("KVLayout.kv_scales", self.kv_scales, 64)
+        if (self.dtype == "float8_e4m3fn") != bool(self.kv_scales):
+            raise ValueError(f"KVLayout: a {self.dtype} layout with kv_scales {self.kv_scales!r} "
+                             "(an fp8 pool has scales, no other does)")
         if self.canary_bytes not in CANARY_BYTES:
             raise ValueError(f"KVLayout.canary_bytes: {self.canary_bytes!r} is not one of "
                              f"{CANARY_BYTES}")
@@ -87,17 +95,19 @@ class KVLayout:
     @property
     def head_bytes(self) -> int:
         """Bytes of one KV head's part of a page."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return 2 * self.num_layers * self.page_size * self.head_dim * itemsize
+        return 2 * self.num_layers * self.page_size * self.head_dim * ITEMSIZE[self.dtype]
 
     def pairing(self) -> dict[str, Any]:
-        """The fields that must match (all but the TP size)."""
-        return {k: v for k, v in asdict(self).items() if k != "tp_size"}
+        """The fields that must match (all but the TP size; kv_scales only for an fp8 pool, so
+        that a layout reads as it did before fp8 pools for every other pool)."""
+        return {k: v for k, v in asdict(self).items()
+                if k != "tp_size" and not (k == "kv_scales" and not v)}
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if pages can move between the two; else what differs, for an error message."""
         mine, theirs = self.pairing(), other.pairing()
-        diffs = [f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+        diffs = [f"{k} {mine.get(k)} vs {theirs.get(k)}" for k in dict.fromkeys([*mine, *theirs])
+                 if mine.get(k) != theirs.get(k)]
         return "; ".join(diffs) or None
 
 

@@ -25,6 +25,7 @@ from runtime.engine.penalty import PenaltyState
 from runtime.engine.sampler import TokenOracleSampler, create_sampler_backend
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.kvcache.allocator import PageAllocator
+from runtime.kvcache.fp8 import FP8, KVScales, checkpoint_scales
 from runtime.kvcache.manager import KVCacheManager
 from runtime.kvcache.pool import KVPool, page_nbytes
 from runtime.kvcache.radix import RadixCache
@@ -139,23 +140,37 @@ class ModelRunner:
         config, mc = self.config, self.model_config
         kv_heads = self.model.num_kv_heads  # this rank's
         shape = (mc.num_layers, config.page_size, kv_heads, mc.head_dim)
+        scales = self._kv_scales() if config.kv_cache_dtype == "fp8_e4m3" else None
         num_pages, sized_by = kv_pages(
             self.device, config.max_total_tokens, config.mem_fraction_static, config.page_size,
-            page_nbytes(*shape, self.dtype),
+            page_nbytes(*shape, FP8 if scales is not None else self.dtype),
         )
         num_pages = self.tp.min_int(num_pages)  # a page index means one slot on every rank
         try:  # one page more than the allocator hands out: decode graphs pad into it
             pool = KVPool(mc.num_layers, num_pages + 1, config.page_size, kv_heads, mc.head_dim,
-                          self.dtype, self.device)
+                          self.dtype, self.device, scales)
             # under TP the table's writes travel with each forward to every rank
             table = ReqToTokenPool(max_running_requests, self.context_len, self.device,
                                    deferred=self.tp.size > 1 or None)
         except torch.OutOfMemoryError as e:
             raise out_of_memory(f"a KV pool of {num_pages * config.page_size} tokens", e) from None
-        log.info("KV pool: %d tokens (%.0f MiB) from %s", num_pages * config.page_size,
-                 pool.num_pages * pool.page_bytes / 2**20, sized_by)
+        log.info("KV pool: %d tokens (%.0f MiB, %s%s) from %s", num_pages * config.page_size,
+                 pool.num_pages * pool.page_bytes / 2**20, str(pool.dtype).removeprefix("torch."),
+                 f", scales from {scales.source}" if scales is not None else "", sized_by)
         cache = RadixCache(config.page_size) if prefix_cache else None
         return pool, KVCacheManager(PageAllocator(num_pages, config.page_size), table, cache)
+
+    def _kv_scales(self) -> KVScales:
+        """An fp8 pool's per-layer scales: the checkpoint's, else 1.0 (runtime/kvcache/fp8.py)."""
+        layers = self.model_config.num_layers
+        return checkpoint_scales(self.model_path, layers) or KVScales.default(layers)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """--kv-cache-dtype as it resolved (sglang's names): fp8_e4m3, else the model's dtype."""
+        if self.config.kv_cache_dtype == "fp8_e4m3":
+            return "fp8_e4m3"
+        return str(self.dtype).removeprefix("torch.")
 
     def decode_graphs(
         self, max_bs: int, capture: Callable[[Callable[[], None]], Graph] | None = None

@@ -12,6 +12,10 @@ and address it by page index. In host memory the buffer sits on transparent huge
 (`huge_page_zeros`): UCX's cma path copies a page run twice as fast into and out of it
 (bench/pd.py: 3.8 -> 7.5 GB/s for a 256-token prompt), as the kernel pins 2 MiB pages, not
 4 KiB ones.
+With `scales` (`--kv-cache-dtype fp8_e4m3`) the buffer holds float8_e4m3fn, quantized on `write`
+and dequantized to the model's dtype on `read` and `gather_pages` (runtime/kvcache/fp8.py);
+`dtype` is then the stored dtype and `compute_dtype` the model's. Byte-level users (transfers,
+the canary's checksums) see one byte an element and need nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import math
 import mmap
 
 import torch
+
+from runtime.kvcache.fp8 import FP8, KVScales, dequantize, quantize
 
 Loc = tuple[torch.Tensor, torch.Tensor]  # (page, offset in the page) of some slots: [T] each
 
@@ -34,7 +40,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        scales: KVScales | None = None,
     ) -> None:
+        """`dtype`: the model's, what K and V come in and are read back as; `scales`: store
+        float8_e4m3fn under these per-layer scales instead of `dtype`."""
+        if scales is not None and len(scales.k) != num_layers:
+            raise ValueError(f"KV scales for {len(scales.k)} layers, the pool has {num_layers}")
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -43,6 +54,9 @@ class KVPool:
         self.head_dim = head_dim
         # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
         shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.scales, self.compute_dtype = scales, dtype
+        if scales is not None:
+            dtype = FP8
         if torch.device(device).type == "cpu":
             self.buffer = huge_page_zeros(shape, dtype)
         else:
@@ -60,13 +74,39 @@ class KVPool:
     def write(self, layer: int, loc: Loc, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V at `loc`. k, v: [T, num_kv_heads, head_dim]."""
         k_pages, v_pages = self.pages(layer)
+        if self.scales is not None:
+            k, v = quantize(k, self.scales.k[layer]), quantize(v, self.scales.v[layer])
         k_pages[loc] = k
         v_pages[loc] = v
 
     def read(self, layer: int, loc: Loc) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `loc`, gathered: [T, num_kv_heads, head_dim] each."""
         k_pages, v_pages = self.pages(layer)
-        return k_pages[loc], v_pages[loc]
+        return self._load(layer, k_pages[loc], v_pages[loc])
+
+    def gather_pages(self, layer: int,
+                     page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole pages [N] of one layer: [N, page_size, num_kv_heads, head_dim] each."""
+        k_pages, v_pages = self.pages(layer)
+        return self._load(layer, k_pages.index_select(0, page_ids),
+                          v_pages.index_select(0, page_ids))
+
+    def as_stored(self, layer: int, k: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [T, num_kv_heads, head_dim] as a read of them after a write would give them
+        back: rounded through fp8 for an fp8 pool, else unchanged."""
+        if self.scales is None:
+            return k, v
+        ks, vs, dtype = self.scales.k[layer], self.scales.v[layer], self.compute_dtype
+        return dequantize(quantize(k, ks), ks, dtype), dequantize(quantize(v, vs), vs, dtype)
+
+    def _load(self, layer: int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored K and V as the model's dtype."""
+        if self.scales is None:
+            return k, v
+        return (dequantize(k, self.scales.k[layer], self.compute_dtype),
+                dequantize(v, self.scales.v[layer], self.compute_dtype))
 
     def row_offsets(self, slots: torch.Tensor) -> torch.Tensor:
         """Where each slot's row starts in a layer's K (or V) view, in elements from its first

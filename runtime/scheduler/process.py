@@ -152,6 +152,7 @@ class SchedulerLoop:
                 prefix_cache=kv.cache is not None,
                 architecture=self.runner.model_config.architecture,
                 dtype=str(self.runner.dtype).removeprefix("torch."),
+                kv_cache_dtype=self.runner.kv_cache_dtype,
             )
         )
         self._send_stats()

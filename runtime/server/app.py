@@ -144,7 +144,8 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         """What this server runs (sglang's names): model, architecture, role, dtype and KV
-        cache dtype (one today), its KV pool's tokens, the ranks its model is split over."""
+        cache dtype (the model's, or fp8_e4m3), its KV pool's tokens, the ranks its model is
+        split over."""
         info = tm.info
         if info is None:
             raise ApiError(503, "not ready", "service_unavailable", "not_ready")
@@ -154,7 +155,8 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
                 "page_size": info.page_size, "max_running_requests": info.max_running_requests,
                 "prefix_cache": info.prefix_cache, "kv_transfer": info.kv_transfer,
                 "instance_id": info.instance_id, "tp": tm.args.engine.tp,
-                "kv_cache_dtype": info.dtype, "max_total_tokens": info.kv_capacity_tokens}
+                "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
+                "max_total_tokens": info.kv_capacity_tokens}
 
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:

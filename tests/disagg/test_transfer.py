@@ -13,11 +13,16 @@ import torch
 from runtime.disagg.fence import WriteFence
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer, layout_of
 from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, header_limit, recv_frame
+from runtime.kvcache.fp8 import KVScales
 from runtime.kvcache.pool import KVPool
 
 
 def pool(num_pages: int, dtype: torch.dtype = torch.float32, page_size: int = 4) -> KVPool:
-    p = KVPool(3, num_pages, page_size, 2, 8, dtype)
+    """float8_e4m3fn: an fp8 pool (--kv-cache-dtype fp8_e4m3) of a float32 model."""
+    if dtype == torch.float8_e4m3fn:
+        p = KVPool(3, num_pages, page_size, 2, 8, torch.float32, scales=KVScales.default(3))
+    else:
+        p = KVPool(3, num_pages, page_size, 2, 8, dtype)
     gen = torch.Generator().manual_seed(num_pages)
     p.buffer.copy_(torch.randn(p.buffer.shape, generator=gen).to(dtype))
     return p
@@ -87,7 +92,7 @@ def move(name: str, src: KVPool, dst: KVPool, src_pages: list[int], dst_pages: l
 
 
 @pytest.mark.parametrize("name", ["tcp", "nixl"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_pages_land_exactly_where_asked(name: str, dtype: torch.dtype) -> None:
     src, dst = pool(16, dtype), pool(40, dtype)
     # runs on both sides (5-7 -> 2-4, 14-15 -> 17-18), runs on one side only, gaps, any order

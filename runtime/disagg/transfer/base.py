@@ -38,8 +38,9 @@ def layout_of(pool: KVPool, tp: int = 1, kv_heads: int | None = None) -> KVLayou
     """The layout of a server whose rank holds `pool`: `tp` ranks splitting the model's
     `kv_heads` (default: the pool's, one rank)."""
     dtype = str(pool.dtype).removeprefix("torch.")
+    scales = pool.scales.digest if pool.scales is not None else ""
     return KVLayout(pool.num_layers, pool.page_size, kv_heads or pool.num_kv_heads, pool.head_dim,
-                    dtype, tp_size=tp)
+                    dtype, scales, tp_size=tp)
 
 
 class KVTransfer(ABC):

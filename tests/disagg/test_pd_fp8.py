@@ -1,0 +1,66 @@
+"""PD with fp8 KV pages on both sides (`--kv-cache-dtype fp8_e4m3`, tcp): the pages move as
+bytes (half a bf16 page's) under the same scales, so greedy output equals a colocated fp8-KV
+engine's token for token; the KV canary's byte checksums (`raise`, `all`) check the fp8 pages
+on arrival and catch the pages the prefill corrupts before sending (`kv_before_send`: a sign
+bit flipped); /server_info names the KV dtype."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from runtime import Engine
+from tests.canary.test_pd_canary import canary_error, injections, run, wait_empty
+from tests.disagg.pd import Pair, start_pair, stream_ids
+
+MAX_NEW = 8
+FP8 = ("--kv-cache-dtype", "fp8_e4m3", "--page-size", "4")
+
+
+@pytest.fixture(scope="module")
+def pair(sharp_tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = start_pair(tmp_path_factory.mktemp("pd-fp8"), "tcp", *FP8, "--kv-canary", "raise",
+                   "--kv-canary-bytes", "all", model=str(sharp_tiny_path),
+                   prefill_extra=("--perturb", "kv_before_send=0.25", "--perturb-seed", "5"))
+    yield p
+    p.stop()
+
+
+def test_pd_with_fp8_pages_equals_colocated_fp8_and_the_canary_catches_corrupt_pages(
+        pair: Pair, sharp_tiny_path: Path) -> None:
+    info = httpx.get(f"{pair.decode.url}/server_info").json()
+    assert info["kv_cache_dtype"] == "fp8_e4m3" and info["dtype"] == "float32"
+    layout = info["kv_transfer"]["layout"]
+    assert layout["dtype"] == "float8_e4m3fn" and len(layout["kv_scales"]) == 16
+    rng = random.Random(11)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 40))] for _ in range(24)]
+    bodies: list[dict[str, Any]] = [
+        {"input_ids": ids, "stream": i % 2 == 0, **pair.fields(prompt={"input_ids": ids}),
+         "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}}
+        for i, ids in enumerate(prompts)]
+    results = asyncio.run(run(pair, bodies))
+    engine = Engine(model=str(sharp_tiny_path), kv_cache_dtype="fp8_e4m3", page_size=4)
+    try:
+        want = [r["output_ids"] for r in engine.generate(
+            prompts, {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})]
+    finally:
+        engine.shutdown()
+    caught = 0
+    for i, (prefill, decoded) in enumerate(results):
+        assert prefill.status_code == 200, prefill.text
+        error = canary_error(decoded)
+        if error is not None:
+            assert "KV canary:" in error, error
+            caught += 1
+            continue
+        got = stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"]
+        assert got == want[i], f"prompt {i}: PD {got} != colocated {want[i]}"
+    wait_empty(pair)
+    sent = injections(pair.prefill.url).get("kv_before_send", 0)
+    assert sent == caught and 0 < caught < len(prompts), (sent, caught)
