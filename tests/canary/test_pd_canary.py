@@ -82,6 +82,29 @@ def canary_error(decoded: Any) -> str | None:
     return str(reason["message"]) if reason["type"] == "abort" else None
 
 
+def caught_or_exact(results: list[tuple[httpx.Response, Any]], want: list[list[int]],
+                    marker: str = "KV canary:") -> int:
+    """How many requests the canary ended (its message naming `marker`); every other one's
+    tokens must be its `want`."""
+    caught = 0
+    for i, ((prefill, decoded), tokens) in enumerate(zip(results, want, strict=True)):
+        assert prefill.status_code == 200, prefill.text
+        error = canary_error(decoded)
+        if error is not None:
+            assert marker in error, error
+            caught += 1
+            continue
+        got = stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"]
+        assert got == tokens, f"request {i}: {got} != {tokens}"
+    return caught
+
+
+def oracle_wants(bodies: list[dict[str, Any]]) -> list[list[int]]:
+    """The token oracle's sequence for each body (runtime/canary/oracle.py)."""
+    return [oracle_sequence(b["bootstrap_room"], len(b["input_ids"]), MAX_NEW, VOCAB)
+            for b in bodies]
+
+
 def wait_empty(pair: Pair) -> None:
     for srv in (pair.prefill, pair.decode):
         for _ in range(100):
@@ -93,17 +116,7 @@ def wait_empty(pair: Pair) -> None:
 
 def test_every_fault_is_caught_and_the_rest_is_exact(perturbed: Pair) -> None:
     bodies = bodies_for(perturbed, 96, seed=3)
-    caught = 0
-    for body, (prefill, decoded) in zip(bodies, asyncio.run(run(perturbed, bodies)), strict=True):
-        assert prefill.status_code == 200, prefill.text
-        error = canary_error(decoded)
-        if error is not None:
-            assert "KV canary:" in error, error
-            caught += 1
-            continue
-        want = oracle_sequence(body["bootstrap_room"], len(body["input_ids"]), MAX_NEW, VOCAB)
-        got = stream_ids(decoded) if isinstance(decoded, list) else decoded["output_ids"]
-        assert got == want, f"room {body['bootstrap_room']}"
+    caught = caught_or_exact(asyncio.run(run(perturbed, bodies)), oracle_wants(bodies))
     wait_empty(perturbed)
     sent, decoded_side = injections(perturbed.prefill.url), injections(perturbed.decode.url)
     assert set(sent) == {"kv_before_send"} and sent["kv_before_send"] >= 10, sent
