@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,18 +63,24 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
     params = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
     try:
         engine.generate(prompts(2), {**params, "max_new_tokens": 4})  # warm-up
-        row = {}
-        for conc in (int(c) for c in args.conc.split(",")):
-            best = 0.0
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                engine.generate(prompts(conc), params)
-                best = max(best, conc * args.new / (time.perf_counter() - start))
-            row[f"conc{conc}"] = round(best, 1)
-            print(f"  {mode:<5} {conc:>3} at once: {best:7.1f} tok/s", flush=True)
-        return row
+        return speeds(mode, lambda batch: engine.generate(batch, params), args)
     finally:
         engine.shutdown()
+
+
+def speeds(name: str, run: Callable[[list[str]], object], args: argparse.Namespace,
+           ) -> dict[str, float]:
+    """tok/s of `run` on --conc prompts at once, each the best of --repeat runs."""
+    row = {}
+    for conc in (int(c) for c in args.conc.split(",")):
+        best = 0.0
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            run(prompts(conc))
+            best = max(best, conc * args.new / (time.perf_counter() - start))
+        row[f"conc{conc}"] = round(best, 1)
+        print(f"  {name:<5} {conc:>3} at once: {best:7.1f} tok/s", flush=True)
+    return row
 
 
 def measure_llama(args: argparse.Namespace) -> dict[str, float] | str:
@@ -102,17 +109,12 @@ def measure_llama(args: argparse.Namespace) -> dict[str, float] | str:
     try:
         server.wait_ready()
         one(prompts(1)[0], 4)  # warm-up
-        row = {}
-        for conc in (int(c) for c in args.conc.split(",")):
-            best = 0.0
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                with ThreadPoolExecutor(conc) as pool:
-                    list(pool.map(one, prompts(conc)))
-                best = max(best, conc * args.new / (time.perf_counter() - start))
-            row[f"conc{conc}"] = round(best, 1)
-            print(f"  llama-server {conc:>3} at once: {best:7.1f} tok/s", flush=True)
-        return row
+
+        def at_once(batch: list[str]) -> None:
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(one, batch))
+
+        return speeds("llama-server", at_once, args)
     finally:
         server.stop()
 
