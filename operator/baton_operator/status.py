@@ -127,7 +127,7 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
         "phase": _phase(pools, ready, bool(problems), bool(failures or lost)),
         "observedGeneration": observed_generation,
         "url": svc.url,
-        **{role: pool.counts for role, pool in pools.items()},
+        **{role: {**pool.counts, **_ranks(svc, role)} for role, pool in pools.items()},
         "conditions": _stamp(fresh, previous, observed_generation, now),
     }
 
@@ -253,6 +253,13 @@ def _failure(conditions: list[Mapping[str, Any]]) -> str | None:
         if stuck or failed:
             return f"{cond.get('reason', cond.get('type'))}: {cond.get('message', '')}".strip()
     return None
+
+
+def _ranks(svc: InferenceService, role: Role) -> dict[str, int]:
+    """A worker pool's ranks per pod (`kubectl get bisvc -o wide` shows them)."""
+    if role == "router":
+        return {}
+    return {"tensorParallelSize": svc.pool(role).tensor_parallel_size}
 
 
 def _fallback(svc: InferenceService, role: Role) -> int:

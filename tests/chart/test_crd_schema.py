@@ -72,6 +72,8 @@ def test_printer_columns(crd):
         ("Model", "string", ".spec.model.uri", 1),
         ("KV", "string", ".spec.kvTransfer.backend", 1),
         ("Policy", "string", ".spec.router.policy", 1),
+        ("Prefill-TP", "integer", ".status.prefill.tensorParallelSize", 1),
+        ("Decode-TP", "integer", ".status.decode.tensorParallelSize", 1),
     ]
 
 

@@ -25,6 +25,7 @@ from runtime.auth.key import ENV
 from tests.disagg.test_pd_failures import FAST, eventually, kv_free, metric
 from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_ports
+from tests.server.test_tp_serve import ends, followers
 
 SLOW = ("--plugin", "tests.server.slow_prefill", "--attention-backend", "slow-prefill")
 LONG = 1000  # tokens a stream generates: a few seconds, to be caught mid-way
@@ -48,9 +49,11 @@ class Deployment:
 def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
            prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
            router_args: tuple[str, ...] = (), move_kv: bool = False,
-           prefill_env: list[dict[str, str]] | None = None, backend: str = "tcp") -> Deployment:
+           prefill_env: list[dict[str, str]] | None = None, backend: str = "tcp",
+           first_decode_args: tuple[str, ...] = ()) -> Deployment:
     """`move_kv`: the decodes drain by moving KV (--move-kv-on-drain, on any free bootstrap
-    port, as `baton up` starts them); `prefill_env`: each prefill's own environment variables."""
+    port, as `baton up` starts them); `prefill_env`: each prefill's own environment variables;
+    `first_decode_args`: decode 0's own, after `decode_args`."""
     env = {ENV: secrets.token_hex(32)}
     # every port at once, the decodes' KV ports too: ports picked one by one (or a KV receiver
     # on port 0 binding first) may take a port another server is about to bind
@@ -62,7 +65,8 @@ def deploy(model: Path, log_dir: Path, prefills: int, decodes: int,
                         model=str(model), env={**env, **(prefill_env or [{}] * prefills)[i]},
                         port=http[i]) for i, port in enumerate(ports)]
     ds = [ServerProcess("--role", "decode", "--kv-transfer", backend, "--kv-port", str(kv[i]),
-                        *moves[i], *FAST, *decode_args, log_path=log_dir / f"decode{i}.log",
+                        *moves[i], *FAST, *decode_args, *(() if i else first_decode_args),
+                        log_path=log_dir / f"decode{i}.log",
                         model=str(model), env=env, port=http[prefills + i])
           for i in range(decodes)]
     for srv in (*ps, *ds):
@@ -87,8 +91,10 @@ def two_prefills(sharp_tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
 
 
 @pytest.fixture
-def two_decodes(sharp_tiny_path: Path, tmp_path: Path) -> Iterator[Deployment]:
-    dep = deploy(sharp_tiny_path, tmp_path, 1, 2, decode_args=ROOMY)
+def two_decodes(sharp_tiny_path: Path, tmp_path: Path, part: str) -> Iterator[Deployment]:
+    """1P + 2D; for `part` "rank", decode 0 (the victim) runs two TP ranks."""
+    victim = ("--tp", "2", "--tp-timeout-s", "10") if part == "rank" else ()
+    dep = deploy(sharp_tiny_path, tmp_path, 1, 2, decode_args=ROOMY, first_decode_args=victim)
     yield dep
     dep.stop()
 
@@ -175,6 +181,16 @@ def test_a_prefill_killed_mid_prefill_costs_its_clients_nothing(two_prefills: De
     eventually(lambda: kv_free(dep.decodes[0].url) and kv_free(dep.prefills[1].url))
 
 
+async def all_going_on(within_s: float) -> None:
+    """Until every unfinished stream has delivered another token (its decode may have died
+    since: then it goes on from another)."""
+    seen, deadline = dict(STREAMED), time.monotonic() + within_s
+    while any(STREAMED[i] == n < LONG for i, n in seen.items()):
+        stuck = {i: n for i, n in seen.items() if STREAMED[i] == n < LONG}
+        assert time.monotonic() < deadline, f"streams stalled for {within_s} s: {stuck}"
+        await asyncio.sleep(0.05)
+
+
 def family(url: str, name: str) -> dict[str, float]:
     """Every sample of the counter `name` on /metrics, by its labels."""
     return {line.split()[0][len(name):]: float(line.split()[-1])
@@ -192,26 +208,36 @@ def assert_streams_move(dep: Deployment, undisturbed: list[list[int]], disturb: 
     eventually(lambda: kv_free(dep.decodes[1].url) and kv_free(dep.prefills[0].url))
 
 
-@pytest.mark.parametrize("part", ["server", "scheduler"])
+@pytest.mark.parametrize("part", ["server", "scheduler", "rank"])
 def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deployment, part: str) -> None:
     """8 streams, the victim holding several of them mid-way: each stream goes on from the
     other decode (the prefill computes prompt + what was streamed), every token exactly once.
     `scheduler`: only the victim's scheduler process dies; its HTTP process must fail the
-    streams as a dead server would, not end them as if finished."""
+    streams as a dead server would, not end them as if finished. `rank`: the victim runs two
+    TP ranks and only its follower dies: the whole server goes, no rank left behind, and its
+    streams go on elsewhere within 30 s."""
     dep = two_decodes
     undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=LONG))
     victim = dep.decodes[0]
     in_flight = f'baton_router_worker_in_flight{{role="decode",worker="{victim.url}"}}'
+    ranks = [victim.scheduler_pid(), *followers(victim)] if part == "rank" else []
 
     async def kill_mid_stream() -> None:
         await all_streaming(8)
         assert await asyncio.to_thread(metric, dep.router.url, in_flight) >= 3
         if part == "server":
             victim.kill()
-        else:
+        elif part == "scheduler":
             os.kill(victim.scheduler_pid(), signal.SIGKILL)
+        else:
+            assert len(ranks) == 2, ranks
+            os.kill(ranks[1], signal.SIGKILL)
+        await all_going_on(30)
 
     assert_streams_move(dep, undisturbed, kill_mid_stream)
+    if part == "rank":
+        assert ends(victim, ranks) != 0
+        assert "TP rank 1 exited" in victim.log()
 
 
 def test_with_every_prefill_gone_a_local_decode_answers(sharp_tiny_path: Path, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 One cluster for the module (tests/e2e/cluster.py); the tests run in order on the sample
 service: it becomes Ready, serves the colocated server's greedy output through the router
-pod, scales its decode pool out and in under load, survives a killed prefill; then the
+pod, scales its decode pool out and in under load, rolls to a decode pool of three TP ranks
+per pod and answers through it, survives a killed prefill; then the
 operator that `helm template` renders, run as a pod, takes it over and repairs it; last,
 deleting it removes everything it made.
 """
@@ -226,6 +227,44 @@ def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,
     assert leaving["metadata"]["name"] not in [
         p["metadata"]["name"] for p in pods(cluster, "decode")]
     wait_for(lambda: not alive({process}), 60, "the leaving decode's process to exit")
+
+
+def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,
+                                               server: ServerProcess) -> None:
+    """spec.decode.tensorParallelSize 3 (the builtin's 9 heads and 3 KV heads: one KV head a
+    rank), KV over tcp: the operator rolls both pools, the new decode pod runs three ranks,
+    the router pairs it with the one-rank prefill, and a streamed chat through the router equals
+    the colocated server's. `kubectl get bisvc -o wide` shows each pool's TP."""
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                '{"spec":{"kvTransfer":{"backend":"tcp"},"decode":{"tensorParallelSize":3}}}')
+
+    def rolled() -> bool:
+        svc = cluster.get(NAME) or {}
+        status = svc.get("status") or {}
+        decodes = pods(cluster, "decode")
+        return (status.get("observedGeneration") == svc["metadata"]["generation"] and ready(cluster)
+                and len(decodes) == 1 and "--tp" in decodes[0]["spec"]["containers"][0]["args"]
+                and all(status[r]["updatedReplicas"] == status[r]["replicas"] == 1
+                        for r in ("prefill", "decode")))
+
+    wait_for(rolled, READY_S, lambda: f"the TP decode rolled out; operator log:\n{local.operator_log()}")
+    (decode,) = pods(cluster, "decode")
+    (pid,) = [p for pod, p in local.runner.processes()  # type: ignore[union-attr]
+              if pod.name == decode["metadata"]["name"]]
+    ranks = [p for p in descendants(pid)
+             if b"runtime.scheduler.ranks" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 2, f"decode followers: {ranks}"
+    url = router_url(cluster)
+    wait_for(lambda: httpx.get(f"{url}/ready", trust_env=False).status_code == 200, 60,
+             "router ready")
+    for prompt in PROMPTS:
+        got = chat(url, "smollm2-135m", prompt)
+        assert got == chat(server.url, "smollm2", prompt) and got[1] > 0, prompt
+    pairs = httpx.get(f"{url}/debug/pairs", timeout=10, trust_env=False).json()["pairs"]
+    assert any((p["prefill_tp"], p["decode_tp"]) == (1, 3) and p["succeeded"] >= len(PROMPTS)
+               for p in pairs), pairs
+    (row,) = table_cells(run_kubectl("get", "bisvc", "-o", "wide"))
+    assert (row["PREFILL-TP"], row["DECODE-TP"], row["KV"]) == ("1", "3", "tcp"), row
 
 
 def test_a_killed_prefill_is_restarted_and_the_service_recovers(local: LocalCluster,

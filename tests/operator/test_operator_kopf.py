@@ -134,9 +134,9 @@ def test_ready_status_follows_the_child_deployments(cluster: Cluster,
         status = (cluster.get("llm") or {})["status"]
         assert status["phase"] == "Ready"
         assert status["prefill"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
-                                     "desiredReplicas": 1}
+                                     "desiredReplicas": 1, "tensorParallelSize": 1}
         assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
-                                    "desiredReplicas": 2}
+                                    "desiredReplicas": 2, "tensorParallelSize": 1}
         assert status["router"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
                                     "desiredReplicas": 1}
         for kind in ("PrefillReady", "DecodeReady", "RouterReady"):

@@ -65,7 +65,8 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
             "selector": {"matchLabels": {"app": "x"}},
             "template": {"metadata": {"labels": {"app": "x"}}, "spec": {"containers": []}}}})
     with operator():
-        cluster.create(isvc("smollm2", decode={"replicas": 1},
+        cluster.create(isvc("smollm2", decode={"replicas": 1, "tensorParallelSize": 3},
+                            kvTransfer={"backend": "tcp"},
                             autoscaling={"decode": {"min": 2, "max": 6, "metric": "cpu"}}))
         cluster.create(isvc("invalid", kvTransfer={"backend": "tcp"}, prefill={
             "template": {"spec": {"hostNetwork": True}}}))
@@ -82,11 +83,13 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
     rows = {row["NAME"]: row for row in table_cells(wide)}
     assert {k: rows["smollm2"][k] for k in ("READY", "REASON", "PHASE", "PREFILL",
                                             "PREFILL-DESIRED", "DECODE", "DECODE-DESIRED",
-                                            "ROUTER", "URL", "MODEL", "KV", "POLICY")} == {
+                                            "ROUTER", "URL", "MODEL", "KV", "POLICY",
+                                            "PREFILL-TP", "DECODE-TP")} == {
         "READY": "True", "REASON": "AllPoolsReady", "PHASE": "Ready", "PREFILL": "1",
         "PREFILL-DESIRED": "1", "DECODE": "4", "DECODE-DESIRED": "4", "ROUTER": "1",
         "URL": "http://smollm2.serving.svc.cluster.local:8000",
-        "MODEL": "builtin:smollm2-135m", "KV": "nixl", "POLICY": "cache_aware"}
+        "MODEL": "builtin:smollm2-135m", "KV": "tcp", "POLICY": "cache_aware",
+        "PREFILL-TP": "1", "DECODE-TP": "3"}
     assert (rows["invalid"]["READY"], rows["invalid"]["REASON"], rows["invalid"]["PHASE"],
             rows["invalid"]["KV"]) == ("False", "InvalidSpec", "Failed", "tcp")
     assert (rows["taken"]["READY"], rows["taken"]["REASON"], rows["taken"]["PHASE"],

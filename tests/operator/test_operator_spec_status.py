@@ -147,7 +147,8 @@ def test_status_without_children_is_pending() -> None:
     assert status["phase"] == "Pending"
     assert conditions(status)["Ready"] == ("False", "Updating")
     assert status["prefill"] == {"replicas": 0, "readyReplicas": 0, "updatedReplicas": 0,
-                                 "desiredReplicas": 1}
+                                 "desiredReplicas": 1, "tensorParallelSize": 1}
+    assert "tensorParallelSize" not in status["router"]
     assert status["url"] == "http://llm.ml.svc.cluster.local:8000"
     assert status["observedGeneration"] == 2
     assert all(c["observedGeneration"] == 2 and c["lastTransitionTime"] == "t0"
@@ -168,7 +169,7 @@ def test_status_ready_when_every_pool_is_ready() -> None:
         "Progressing": ("False", "Complete"), "Degraded": ("False", "AsExpected"),
         "DisaggregationDegraded": ("False", "Disaggregated")}
     assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
-                                "desiredReplicas": 2}
+                                "desiredReplicas": 2, "tensorParallelSize": 1}
 
 
 def test_status_pods_not_ready_and_rolling_update() -> None:
