@@ -100,8 +100,9 @@ class ModelRunner:
                                   mc.vocab_size, isinstance(self.sampler, TokenOracleSampler))
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
-            if tp.size > 1:
-                log.info("decode graphs: off (not yet captured with tensor parallelism)")
+            if not tp.graph_safe:
+                log.info("decode graphs: off (the TP group's gloo collectives cannot be "
+                         "captured; nccl, a GPU per rank, can)")
             elif self.attn.cuda_graph_safe and self.model.cuda_graph_safe:
                 self.graphs = self.decode_graphs(min(config.cuda_graph_max_bs, max_running_requests))
             elif not self.model.cuda_graph_safe:

@@ -77,6 +77,17 @@ class TensorParallel:
         return min(self.rank * share, vocab_size), min((self.rank + 1) * share, vocab_size)
 
     # ---- collectives -------------------------------------------------------------------------
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture the collectives: one rank (none), or nccl (its
+        all-reduce and all-gather run on the capturing stream and replay from the graph);
+        gloo runs on the host and cannot."""
+        if self.size == 1:
+            return True
+        import torch.distributed as dist
+
+        return bool(dist.get_backend() == "nccl")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (in place)."""
         if self.size > 1:
