@@ -1,9 +1,10 @@
 """Weight-only int8 and int4 (runtime/models/quantize.py): the rounding (int8 per output channel,
 int4 per group of 32 on GGUF Q4_1's grid, which it keeps exactly), the quantized kernel and the
 dequantized path computing with the same rounded weights, the rows of a step picking the path,
-and every matmul of a model's layers replaced (not the embedding, the lm_head or MoE experts). End to end: with the
-kernel off, the engine equals HF on the same rounded weights dequantized to float32, token for
-token. (Their quality against fp32 is bench/quality.py's gate.)"""
+and every matmul of a model's layers replaced (not the embedding or MoE experts; the lm_head
+under int4 only, in two int4 passes). End to end: with the kernel off, the engine equals HF on
+the same rounded weights dequantized to float32, token for token. (Their quality against fp32
+is bench/quality.py's gate.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import Engine
 from runtime.models.linear import Linear
-from runtime.models.quantize import Int4Linear, Int8Linear, quantize
+from runtime.models.quantize import Int4Linear, Int4ResidualLinear, Int8Linear, quantize
 from tests.engine.hf_reference import PROMPTS, compare, hf_greedy
 from tests.models.checkpoints import SHAPE, write_checkpoint, write_family
 
@@ -60,22 +61,45 @@ def test_int4_keeps_a_q4_1_grid_and_its_kernel_shares_the_weights() -> None:
         Int4Linear(torch.randn(8, 40), None, onednn=False, max_rows=2)
 
 
-@pytest.mark.parametrize(("family", "per_layer"), [("llama", 4), ("qwen3-moe", 2)])
-def test_every_matmul_is_replaced_and_nothing_else(family: str, per_layer: int, model_path: Path,
-                                                   tmp_path: Path) -> None:
+def test_the_int4_lm_head_rounds_twice_and_both_paths_share_its_weights() -> None:
+    """The lm_head under int4: the weight on the int4 grid, then what that left over on its
+    own grid; its error is a small part of one pass's, the kernel path (two int4 kernels,
+    summed in float32) is close to the same weights, and a row count the kernel does not take
+    (not a multiple of 16) is padded and cut."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1000, 96, generator=g)
+    once, twice = Int4Linear(w, None, False, 2), Int4ResidualLinear(w, None, False, 2)
+    deq = twice.dequantized.weight
+    assert torch.equal(deq, once.dequantized.weight + twice.second[2])
+    assert (deq - w).abs().max() < (once.dequantized.weight - w).abs().max() / 10
+    few, many = torch.randn(2, 96, generator=g), torch.randn(5, 96, generator=g)
+    assert torch.equal(twice(many), many @ deq.T)
+    y = twice(few)
+    assert y.shape == (2, 1000) and y.dtype == torch.float32
+    torch.testing.assert_close(y, few @ deq.T, rtol=2e-2, atol=0.1)  # bf16 activations, |y| ~ 10
+
+
+@pytest.mark.parametrize(("family", "kind", "per_layer"),
+                         [("llama", "int8", 4), ("qwen3-moe", "int8", 2), ("llama", "int4", 4)])
+def test_every_matmul_is_replaced_and_nothing_else(family: str, kind: str, per_layer: int,
+                                                   model_path: Path, tmp_path: Path) -> None:
     path = (write_checkpoint("LlamaConfig", tmp_path / "m", model_path, **SHAPE)
             if family == "llama" else write_family(family, tmp_path / "m", model_path))
-    engine = Engine(model=str(path), max_total_tokens=1024, quantization="int8")
+    engine = Engine(model=str(path), max_total_tokens=1024, quantization=kind)
+    cls = {"int8": Int8Linear, "int4": Int4Linear}[kind]
     try:
         model = engine.runner.model
-        assert isinstance(model.lm_head, Linear)  # type: ignore[attr-defined]  (full precision)
+        # the lm_head: full precision under int8, two int4 passes under int4
+        head = {"int8": Linear, "int4": Int4ResidualLinear}[kind]
+        assert isinstance(model.lm_head, head)  # type: ignore[attr-defined]
         for layer in model.layers:  # type: ignore[attr-defined]
-            assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.o, Int8Linear)
+            assert isinstance(layer.qkv, cls) and isinstance(layer.o, cls)
         assert not any(isinstance(v, Linear) for layer in model.layers  # type: ignore[attr-defined]
                        for v in vars(layer).values())
         # a MoE layer keeps its experts in full precision: 2 matmuls a layer, q/k/v and o
-        assert engine.runner.quantized_matmuls == per_layer * len(model.layers)  # type: ignore[attr-defined]
-        assert quantize(model, "int8", 4) == 0  # nothing left to replace
+        assert engine.runner.quantized_matmuls == (per_layer * len(model.layers)  # type: ignore[attr-defined]
+                                                   + (kind == "int4"))
+        assert quantize(model, kind, 4) == 0  # nothing left to replace
         assert isinstance(model.embed, torch.Tensor)  # type: ignore[attr-defined]
     finally:
         engine.shutdown()
@@ -102,8 +126,10 @@ def test_the_dequantized_path_equals_hf_on_the_same_weights(kind: str, model_pat
                            **dict(SHAPE, tie_word_embeddings=False))
     tensors = load_file(src / "model.safetensors")
     for name, w in tensors.items():  # what quantize.py makes of each matmul weight
-        if name.endswith("_proj.weight"):  # (the lm_head stays in full precision)
+        if name.endswith("_proj.weight"):
             tensors[name] = (_int8 if kind == "int8" else _int4)(w)
+        elif name == "lm_head.weight" and kind == "int4":  # (under int8 it stays as it is)
+            tensors[name] = _int4(w) + _int4(w - _int4(w))
     (tmp_path / "deq").mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
