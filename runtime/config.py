@@ -203,6 +203,10 @@ class ServerArgs:
                                      "silent this long (frozen or stuck; it speaks every second)")
     )
     log_level: str = "info"
+    revision: str | None = field(default=None, metadata=_help(
+        "the deployment revision: a prefill and a decode pair, and KV moves, only within one "
+        "(also $BATON_REVISION; default: a digest of the runtime's code, the model, dtype, KV "
+        "cache dtype and quantization: runtime/revision.py)"))
 
     @property
     def model(self) -> str:

@@ -71,7 +71,7 @@ def open_plane(args: ServerArgs, pool: KVPool, wake: Callable[[], None],
     key = load_cluster_key(args.disagg.cluster_key_file)
     name = f"baton-{args.role}-{uuid.uuid4().hex[:12]}"
     tp = args.engine.tp if ranks is not None else 1
-    layout, handoff = layout_of(pool, tp, kv_heads), None
+    layout, handoff = replace(layout_of(pool, tp, kv_heads), revision=args.revision or ""), None
     if canary is not None and monitor is not None:
         handoff = HandoffCanary(canary, monitor, pool.page_size)
         layout = replace(layout, canary_tags=True, canary_bytes=args.canary.kv_canary_bytes)

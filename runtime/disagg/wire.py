@@ -70,9 +70,12 @@ class KVLayout:
     canary_tags: bool = False
     canary_bytes: str = "none"
     tp_size: int = 1
+    # the deployment revision (runtime/revision.py): KV moves only within one ("" for none)
+    revision: str = ""
 
     def __post_init__(self) -> None:
         check_types(self)
+        short_text("KVLayout.revision", self.revision, 64)
         for name, most in (("num_layers", 4096), ("page_size", 4096), ("num_kv_heads", 4096),
                            ("head_dim", 4096), ("tp_size", 4096)):
             in_range(f"KVLayout.{name}", getattr(self, name), 1, most)
@@ -98,10 +101,10 @@ class KVLayout:
         return 2 * self.num_layers * self.page_size * self.head_dim * ITEMSIZE[self.dtype]
 
     def pairing(self) -> dict[str, Any]:
-        """The fields that must match (all but the TP size; kv_scales only for an fp8 pool, so
-        that a layout reads as it did before fp8 pools for every other pool)."""
+        """The fields that must match (all but the TP size; kv_scales only for an fp8 pool and
+        the revision only where there is one, so that a layout reads as it did before them)."""
         return {k: v for k, v in asdict(self).items()
-                if k != "tp_size" and not (k == "kv_scales" and not v)}
+                if k != "tp_size" and not (k in ("kv_scales", "revision") and not v)}
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None if pages can move between the two; else what differs, for an error message."""

@@ -267,7 +267,7 @@ def _add_routes(app: FastAPI, router: Router) -> None:
     @app.get("/debug/pairs", include_in_schema=False)
     async def pairs() -> dict[str, Any]:
         """Health per (prefill, decode) pair: state, counts, quarantine, latency."""
-        return {"pairs": router.pairs.view({w.url: w.tp for w in router.workers.all()})}
+        return {"pairs": router.pairs.view({w.url: w for w in router.workers.all()})}
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index() -> dict[str, Any]:

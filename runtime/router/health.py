@@ -77,7 +77,7 @@ class HealthChecker:
             if ready:
                 worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(
                     response)
-                worker.tp = _tp(response)
+                worker.tp, worker.revision = _shown(response)
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -92,13 +92,18 @@ class HealthChecker:
         worker.ready = ready
 
 
-def _tp(response: httpx.Response) -> int:
-    """A worker's TP size from its /ready body (1 when it does not say)."""
+def _shown(response: httpx.Response) -> tuple[int, str | None]:
+    """A worker's TP size (1 when it does not say) and revision (None), from its /ready body:
+    shown, not paired by (the revision pairs through the KV layout)."""
     try:
-        tp = response.json().get("tp", 1)
-    except (ValueError, AttributeError):
-        return 1
-    return tp if type(tp) is int and tp >= 1 else 1
+        body = response.json()
+    except ValueError:
+        return 1, None
+    if not isinstance(body, dict):
+        return 1, None
+    tp, revision = body.get("tp", 1), body.get("revision")
+    return (tp if type(tp) is int and tp >= 1 else 1,
+            revision if isinstance(revision, str) and len(revision) <= 64 else None)
 
 
 def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None, bool]:

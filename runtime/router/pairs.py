@@ -119,11 +119,18 @@ class PairTable:
         now = self.clock()
         return {key: health.state(now) for key, health in self.pairs.items()}
 
-    def view(self, tp: dict[str, int] | None = None) -> list[dict[str, Any]]:
-        """`GET /debug/pairs`: every pair that has seen a request, with each side's TP size
-        (`tp`: by worker URL)."""
-        now, tp = self.clock(), tp or {}
-        return [{"prefill": p, "decode": d, "prefill_tp": tp.get(p), "decode_tp": tp.get(d),
+    def view(self, workers: dict[str, Worker] | None = None) -> list[dict[str, Any]]:
+        """`GET /debug/pairs`: every pair that has seen a request, with each side's TP size and
+        revision (`workers`: by URL; None where one has left)."""
+        now, known = self.clock(), workers or {}
+
+        def shown(url: str, what: str) -> Any:
+            worker = known.get(url)
+            return None if worker is None else getattr(worker, what)
+
+        return [{"prefill": p, "decode": d, "prefill_tp": shown(p, "tp"),
+                 "decode_tp": shown(d, "tp"), "prefill_revision": shown(p, "revision"),
+                 "decode_revision": shown(d, "revision"),
                  "state": h.state(now).name.lower(),
                  "succeeded": h.succeeded, "failed": h.failed, "failures_in_a_row": h.in_a_row,
                  "backoff_s": h.backoff_s, "quarantine_left_s": round(max(0.0, h.until - now), 3),

@@ -25,6 +25,7 @@ class Worker:
     instance_id: str | None = None  # its KV instance, from its /ready: room tickets name it
     local_prefill: bool = False  # a decode that prefills requests without a room, by its /ready
     tp: int = 1  # its tensor parallelism, by its /ready (shown: any TP pairs with any)
+    revision: str | None = None  # its revision, by its /ready (shown; its KV layout pairs by it)
     unanswered: int = 0  # health polls in a row that got no answer
     in_flight: int = 0  # requests this router has sent it and not seen finish
     picks: int = 0  # times a policy chose it

@@ -135,7 +135,7 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
         stalled = tm.stalled()
         if stalled is not None:  # the router takes us out until it speaks again
             raise ApiError(503, stalled, "service_unavailable", "stalled")
-        return {"status": "ready", **tm.edge.ready_fields(tm.info)}
+        return {"status": "ready", "revision": tm.args.revision, **tm.edge.ready_fields(tm.info)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -145,7 +145,7 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     async def server_info() -> dict[str, Any]:
         """What this server runs (sglang's names): model, architecture, role, dtype and KV
         cache dtype (the model's, or fp8_e4m3), its KV pool's tokens, the ranks its model is
-        split over."""
+        split over, its revision (runtime/revision.py)."""
         info = tm.info
         if info is None:
             raise ApiError(503, "not ready", "service_unavailable", "not_ready")
@@ -155,6 +155,7 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
                 "page_size": info.page_size, "max_running_requests": info.max_running_requests,
                 "prefix_cache": info.prefix_cache, "kv_transfer": info.kv_transfer,
                 "instance_id": info.instance_id, "tp": tm.args.engine.tp,
+                "revision": tm.args.revision,
                 "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
                 "max_total_tokens": info.kv_capacity_tokens}
 

@@ -19,6 +19,9 @@ from runtime.auth.api_keys import ApiKeys
 from runtime.auth.key import load_cluster_key
 from runtime.canary.perturb_kinds import parse_perturb, uncatchable
 from runtime.config import CanaryConfig, DisaggConfig, ServerArgs
+from runtime.revision import ENV as revision_env
+from runtime.revision import check as check_revision
+from runtime.revision import derive as derive_revision
 
 ENV_FIELDS = ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "heartbeat_misses")
 
@@ -94,6 +97,8 @@ def parse_server_args(argv: list[str]) -> ServerArgs:
         for name, cls in _sections().items()
     }
     args = ServerArgs(**nested, **ns)
+    revision = args.revision or os.environ.get(revision_env) or derive_revision(args.engine)
+    args = dataclasses.replace(args, revision=revision)
     problems = _check(args)
     if problems:
         parser.error("; ".join(problems))
@@ -128,6 +133,7 @@ def _check(args: ServerArgs) -> list[str]:
     ):
         problems += [f"--{n.replace('_', '-')} must be >= 1" for n in names if getattr(obj, n) < 1]
     problems += _check_canary(args.canary, args.engine.sampler_backend)
+    problems += [p for p in [check_revision(args.revision or "")] if p]
     fraction = args.engine.mem_fraction_static
     if fraction is not None and not 0.0 < fraction < 1.0:
         problems.append(f"--mem-fraction-static must be in (0, 1), got {fraction}")

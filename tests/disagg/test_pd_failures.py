@@ -251,8 +251,11 @@ def test_client_abort_on_decode_cancels_the_room_everywhere(shared: Pair) -> Non
 
 def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) -> None:
     """A router in front never pairs the two, and says why in its /ready and log from the
-    start; a request sent to the pair directly fails at first contact, freeing both sides."""
-    pair = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path), decode_extra=("--page-size", "8"))
+    start; a request sent to the pair directly fails at first contact, freeing both sides.
+    Their revisions differ too (runtime/revision.py): each error names both."""
+    pair = start_pair(tmp_path, "tcp", *FAST, model=str(tiny_path),
+                      prefill_extra=("--revision", "r-old"),
+                      decode_extra=("--page-size", "8", "--revision", "r-new"))
     router = start_router("--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
                           "--decode", pair.decode.url, log_path=tmp_path / "router.log", ready=False,
                           env=pair.env)
@@ -262,12 +265,15 @@ def test_mismatched_kv_layout_is_a_clear_error(tiny_path: Path, tmp_path: Path) 
         assert httpx.get(f"{router.url}/ready").status_code == 503
         answer = httpx.post(f"{router.url}/generate", json={"text": "hi"})
         assert answer.status_code == 503 and why in answer.json()["error"]["message"]
-        assert why in router.log()
+        assert why in router.log() and "revision r-old vs r-new" in router.log()
+        for srv, rev in ((pair.prefill, "r-old"), (pair.decode, "r-new")):
+            assert httpx.get(f"{srv.url}/server_info").json()["revision"] == rev
 
         prefill, decoded = asyncio.run(_one(pair, gen_body(pair)))
         assert decoded.status_code == 502
         message = decoded.json()["error"]["message"]
         assert "cannot send KV here" in message and "page_size 16 vs 8" in message, message
+        assert "revision r-old vs r-new" in message, message
         assert prefill.status_code == 502  # its room never got a decode server
         eventually(lambda: kv_free(pair.prefill.url) and kv_free(pair.decode.url))
     finally:

@@ -57,6 +57,7 @@ class FakeWorker:
         self.ready = True
         self.ready_delay_s = 0.0  # GET /ready answers this late
         self.kv_transfer: dict[str, Any] | None = None  # what its /ready shows, if anything
+        self.revision: str | None = None  # its /ready's revision, if any
         self.local_prefill = False  # a decode's /ready: it prefills requests without a room
         self.instance_id = f"fake-{role}-{id(self):x}"  # its /ready: room tickets name it
         self.received: list[Received] = []
@@ -109,6 +110,8 @@ class FakeWorker:
             body: dict[str, Any] = {"ready": self.ready, "instance_id": self.instance_id}
             if self.kv_transfer is not None:
                 body["kv_transfer"] = self.kv_transfer
+            if self.revision is not None:
+                body["revision"] = self.revision
             if self.local_prefill:
                 body["local_prefill"] = True
             return JSONResponse(body, 200 if self.ready else 503)

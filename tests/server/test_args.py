@@ -11,7 +11,7 @@ from runtime.server.args import build_parser, parse_server_args
 
 
 def test_defaults_come_from_the_dataclass() -> None:
-    assert parse_server_args([]) == ServerArgs()
+    assert dataclasses.replace(parse_server_args([]), revision=None) == ServerArgs()
     flags = {a.dest for a in build_parser()._actions}
     names = {f.name for cls in (ServerArgs, EngineConfig, SchedulerConfig, DisaggConfig,
                                 CanaryConfig)
@@ -108,3 +108,25 @@ def test_a_quantization_for_the_other_device_exits_2(
         parse_server_args(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
     assert parse_server_args(["--device", "cuda", "--quantization", "fp8"]).engine.quantization == "fp8"
+
+
+def test_a_revision_from_the_flag_the_environment_or_what_the_worker_computes_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime/revision.py: --revision, else $BATON_REVISION, else a digest of what changes the
+    computed tokens (the same for a prefill and a decode of one model and TP sizes apart)."""
+    monkeypatch.delenv("BATON_REVISION", raising=False)
+    assert parse_server_args(["--revision", "rev-7"]).revision == "rev-7"
+    prefill = parse_server_args(["--role", "prefill", "--tp", "2", "--kv-transfer", "tcp",
+                                 "--port", "9000"]).revision
+    decode = parse_server_args(["--role", "decode", "--max-total-tokens", "64"]).revision
+    assert prefill == decode and prefill is not None and len(prefill) == 12
+    for other in (["--dtype", "bfloat16"], ["--quantization", "int4"], ["--model", "/m"],
+                  ["--kv-cache-dtype", "fp8_e4m3"]):
+        assert parse_server_args(other).revision != prefill, other
+    monkeypatch.setenv("BATON_REVISION", "from-env")
+    assert parse_server_args([]).revision == "from-env"
+    assert parse_server_args(["--revision", "flag"]).revision == "flag"
+    for bad in ("a b", "x" * 65, "rev/1"):
+        with pytest.raises(SystemExit) as e:
+            parse_server_args(["--revision", bad])
+        assert e.value.code == 2, bad
