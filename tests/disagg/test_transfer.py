@@ -197,6 +197,13 @@ def test_nixl_shares_land_in_the_heads_of_the_decode_ranks_that_hold_them(p_tp: 
                 assert torch.equal(got, want), (d, s)
             untouched = [p for p in range(12) if p not in dst_pages]
             assert torch.equal(pool_d.buffer[untouched], before[d][untouched])
+        # a share into pages its room does not name lands (one-sided) but counts for nothing
+        first = shares[0]
+        fences[first.dst].expect(10, [1, 4, 8, 9], me)
+        assert fences[first.dst].bind_peer(10, me, shares)
+        senders[first.src].write_share(peer, None, 10, src_pages, dst_pages, first)
+        time.sleep(0.2)
+        assert not fences[first.dst]._rooms[10].written
     finally:
         for t in (*senders, *receivers):
             t.close()
