@@ -132,7 +132,17 @@ class KVSender:
                                        [s for s in shares if s.src == 0], link)
         except (OSError, TransferError) as e:
             error, nbytes = e, 0
-        for r, call in calls.items():  # every rank's write is over before the room's fate is told
+        nbytes, error = self._wait_ranks(calls, nbytes, error)
+        if error is not None:
+            raise error
+        self.transfer.write_done(peer, link.sock, aux)  # the others' shares are written
+        return nbytes
+
+    def _wait_ranks(self, calls: dict[int, Future[int]], nbytes: int,
+                    error: BaseException | None) -> tuple[int, BaseException | None]:
+        """Every rank's write is over (or in doubt) before the room's fate is told: the bytes
+        moved in all, and the error to fail the room with (one in doubt wins)."""
+        for r, call in calls.items():
             try:
                 nbytes += call.result(SEND_TIMEOUT_S)
             except Exception as e:
@@ -140,10 +150,7 @@ class KVSender:
                 failed = (WriteInDoubt if doubt else TransferError)(
                     f"prefill TP rank {r} did not write its KV: {e}")
                 error = failed if doubt or error is None else error
-        if error is not None:
-            raise error
-        self.transfer.write_done(peer, link.sock, aux)  # the others' shares are written
-        return nbytes
+        return nbytes, error
 
     def write_shares(self, peer: PeerRegistration, room: int, src_pages: list[int],
                      dst_pages: list[int], shares: list[Share], held: _Link | None = None) -> int:
