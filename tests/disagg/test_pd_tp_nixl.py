@@ -51,6 +51,8 @@ def start_servers(log_dir: Path, model: Path, prefill_tps: tuple[int, ...],
 
 
 def stop(servers: Servers) -> None:
+    for srv in servers.values():  # all at once: each waits for its ranks to leave
+        srv.terminate()
     for srv in servers.values():
         if srv.proc.poll() is None:
             srv.stop()
