@@ -137,9 +137,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--prefill and --decode must be >= 1")
     if args.prefill_tp < 1 or args.decode_tp < 1:
         parser.error("--prefill-tp and --decode-tp must be >= 1")
-    if max(args.prefill_tp, args.decode_tp) > 1 and args.kv_transfer != "tcp":
-        parser.error(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: servers with "
-                     "several ranks move KV over --kv-transfer tcp for now")
     if not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
     return args, extra

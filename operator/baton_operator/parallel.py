@@ -7,8 +7,10 @@ runtime refuses the same at start-up, exit code 2, which the operator reports as
 ModelNotServable, but only once a pod has been scheduled and has loaded):
 
 - N other than the GPU count on a GPU pool (a rank per GPU);
-- N > 1 with nixl (`spec.kvTransfer.backend`, or `--kv-transfer` in the pool's args): the
-  runtime moves a TP server's KV over tcp only;
+- N > NIXL_MAX_TP with nixl (`spec.kvTransfer.backend`, or `--kv-transfer` in the pool's
+  args): each rank has a nixl agent of its own, and UCX's TCP port range in the pod
+  (builders/common.py UCX_PORT_RANGE, admitted by the NetworkPolicy) holds two listeners each
+  for 8 of them;
 - N > 1 with the KV canary's byte checksums (`--kv-canary-bytes partial|all` in the args): they
   cover one rank's heads;
 - `--tp` in the pool's args: the field says it, and sizes the GPUs, /dev/shm and KV ports;
@@ -28,6 +30,7 @@ from baton_operator.checks import InvalidSpec, integer
 from baton_operator.model import ModelSource
 
 MAX_TP = 64  # ranks in one pod; a pod rarely has more than 8 GPUs
+NIXL_MAX_TP = 8  # ranks with a nixl agent each: UCX_PORT_RANGE's 16 ports, two per agent
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,10 @@ def check_pool(where: str, tp: int, *, kv_backend: str, args: Sequence[str],
     if tp == 1:
         return
     field = f"{where}.tensorParallelSize {tp}"
-    if flags.get("--kv-transfer", kv_backend) == "nixl":
+    if flags.get("--kv-transfer", kv_backend) == "nixl" and tp > NIXL_MAX_TP:
         source = f"{where}.args" if "--kv-transfer" in flags else "spec.kvTransfer.backend"
-        raise InvalidSpec(f"{field} needs the tcp KV transfer, not nixl ({source}): nixl does "
-                          "not move a TP server's KV yet (docs/tensor-parallel.md)")
+        raise InvalidSpec(f"{field} with nixl ({source}): a pod's UCX port range holds the "
+                          f"agents of {NIXL_MAX_TP} ranks; use the tcp KV transfer")
     if flags.get("--kv-canary-bytes", "none") != "none":
         raise InvalidSpec(f"{field} and --kv-canary-bytes in {where}.args: byte checksums "
                           "cover one rank's heads; drop them (the canary's tags work under TP)")

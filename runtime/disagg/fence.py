@@ -7,15 +7,18 @@ state change is made under one lock, so a write is admitted (`admit`) only into 
 room that is expected, not revoked and written by its own prefill, and `revoke` closes that door
 and says whether a write is under way. A transfer backend only moves bytes: one whose writes
 pass our receiver (tcp) asks `admit` before a write and says `landed` after; a one-sided one
-(nixl) cannot ask, and the decode role waits for the prefill's word instead.
+(nixl) cannot ask, and the decode role waits for the prefill's word instead. A one-sided write
+is still counted: its completion notification asks `admit` and says `landed` at once, after
+its bytes (a refused one landed all the same, but counts for nothing).
 `on_arrival` (the scheduler loop's wake-up) is called, from whichever thread saw it, when a
 room's KV is in place or a revoked room's write is over.
 
 Under tensor parallelism (runtime/disagg/shares.py) a room's pages on one rank may be written by
 several prefill ranks, each its share of the KV heads, each on its own link: `bind_peer` names
 those `sources`, and each is admitted and lands on its own. The RoomDone comes on prefill rank
-0's link behind its share only, so when it finds another share still to land, its aux record
-waits (`done`) until the last one has. The decode's rank 0 also waits for its other ranks
+0's link behind its share only (tcp), or once every prefill rank's WRITE is over but maybe
+before their notifications (nixl), so when it finds another share still to land, its aux
+record waits (`done`) until the last one has. The decode's rank 0 also waits for its other ranks
 (`others`: their fences, runtime/disagg/ranks_plane.py, report their shares in place) and, on
 revoke, for each to confirm that no write is landing there (`unclosed`).
 """
@@ -41,6 +44,7 @@ class _Expected:
     given: str | None  # the prefill named by `expect` (the ticket's), if any
     peer: str | None  # None until the prefill's instance id is known (bind_peer)
     sources: frozenset[int] = ONE  # the prefill ranks whose shares land here
+    shared: bool = False  # moved as shares (either side has several ranks): a RoomDone follows
     landing: set[int] = field(default_factory=set)  # tcp: sources filling their share now
     written: set[int] = field(default_factory=set)  # tcp: sources whose share filled every page
     revoked: bool = False  # the room ended: no write for it is admitted any more
@@ -88,6 +92,7 @@ class WriteFence:
                 e.peer = peer
             if e.peer == peer and not e.landing:
                 e.sources = ONE if shares is None else sources(shares, self.rank)
+                e.shared = shares is not None
             return e.peer == peer
 
     def unbind_peer(self, room: int) -> None:
@@ -136,18 +141,22 @@ class WriteFence:
         return True
 
     def arrive(self, aux: AuxRecord, peer: str, written: bool = False) -> bool:
-        """Every page of `aux.room` is in place: keep its aux record if the room is expected
-        from `peer` (an ended room is not waited for: keeping it would leak) and, where asked
-        (`written`), a complete write of its pages was admitted. A revoked room's record is
-        kept too: for a one-sided backend it is the proof that its write is over."""
+        """`aux.room`'s record came: keep it if the room is expected from `peer` (an ended room
+        is not waited for: keeping it would leak). It arrives (`arrived`) once every page of
+        the room is in place:
+        - `written` (tcp): it came behind rank 0's share on that link, which must have been
+          admitted and landed complete; it waits for the other shares;
+        - else (one-sided): nixl delivered it after every byte of the room's WRITEs; moved as
+          shares, only after their WRITEs were over, and it waits for their notifications. A
+          revoked room's record is kept at once: it is the proof that its writes are over."""
         with self._lock:
             e = self._rooms.get(aux.room)
             if e is None or e.peer != peer or aux.room in self._arrived or e.done is not None:
                 return False
             if written and 0 not in e.written:  # rank 0's share came first on this link
                 return False
-            if written and not e.complete():
-                e.done = aux  # another link's share is still to land
+            if not e.complete() and (written or (e.shared and not e.revoked)):
+                e.done = aux  # another share is still to land
                 return True
             self._arrived[aux.room] = aux
         self.on_arrival()

@@ -41,6 +41,7 @@ class KVPlane:
     canary: HandoffCanary | None = None  # the KV canary's tags and sums travel with the pages
     ranks: RankCalls | None = None  # the other TP ranks' planes (None: one rank)
     rank_receivers: list[list[Any]] = field(default_factory=list)  # decode: ranks 1.., [host, port]
+    rank_info: list[dict[str, Any]] = field(default_factory=list)  # decode: ranks 1..' local_info
 
     @property
     def name(self) -> str:
@@ -80,9 +81,9 @@ def open_plane(args: ServerArgs, pool: KVPool, wake: Callable[[], None],
         return KVPlane(transfer, key, Tally(), handoff)
     from runtime.disagg.ranks_plane import LeaderFence, open_followers
 
-    receivers = open_followers(ranks, args.role, name, layout, args.disagg.kv_transfer,
+    receivers, info = open_followers(ranks, args.role, name, layout, args.disagg.kv_transfer,
                                (args.host, args.disagg.kv_port), advertise,
                                args.disagg.cluster_key_file)
     transfer = create_transfer(args.disagg.kv_transfer, pool, name, LeaderFence(wake, ranks),
                                layout)
-    return KVPlane(transfer, key, Tally(), handoff, ranks, receivers)
+    return KVPlane(transfer, key, Tally(), handoff, ranks, receivers, info)

@@ -131,8 +131,12 @@ class PrefillRole(Generic[R]):
             for decode_id in stale:
                 del self.peers[decode_id]
             self.peers[peer.decode_id] = peer
+        ranks = self.plane.ranks
         for decode_id in stale:
             self.transfer.forget(decode_id)
+            if ranks is not None:  # (nixl: the agents they connected to)
+                for rank in ranks.followers:
+                    ranks.call(rank, "forget", decode_id)
         log.info("decode server %s registered (receiver %s:%d)", peer.decode_id,
                  peer.receiver_host, peer.receiver_port)
         return {}  # a decode needs nothing of ours: our pool's address never leaves

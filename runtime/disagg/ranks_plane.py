@@ -44,16 +44,19 @@ CALL_TIMEOUT_S = 10.0  # a follower answers a fence call at once; a write has SE
 
 
 def open_followers(ranks: RankCalls, role: str, name: str, layout: KVLayout, backend: str,
-                   bind: tuple[str, int], advertise: str, key_file: str | None) -> list[list[Any]]:
+                   bind: tuple[str, int], advertise: str,
+                   key_file: str | None) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     """Open every follower's plane (prefill: a writer; decode: also a receiver on bind[0],
-    port bind[1] + rank, or any free port when bind[1] is 0); the followers' receivers as peers
-    reach them, [advertise, port]."""
+    port bind[1] + rank, or any free port when bind[1] is 0); on a decode, the followers'
+    receivers as peers reach them, [advertise, port], and their backends' connection info."""
     host, kv_port = bind
     futures = [ranks.call(rank, "open", role, name, asdict(layout), backend, host,
                           kv_port + rank if kv_port else 0, key_file) for rank in ranks.followers]
-    ports = [_answer(f, rank, "open its KV plane") for rank, f in zip(ranks.followers, futures,
-                                                                      strict=True)]
-    return [[advertise, int(port)] for port in ports] if role == "decode" else []
+    opened = [_answer(f, rank, "open its KV plane") for rank, f in zip(ranks.followers, futures,
+                                                                       strict=True)]
+    if role != "decode":
+        return [], []
+    return [[advertise, int(port)] for port, _ in opened], [info for _, info in opened]
 
 
 def close_links_everywhere(ranks: RankCalls) -> Callable[[str], None]:
@@ -202,8 +205,10 @@ class FollowerPlane:
         return cls(transfer, KVSender(transfer, key), receiver)
 
     @property
-    def port(self) -> int | None:
-        return self.receiver.port if self.receiver is not None else None
+    def reached(self) -> tuple[int | None, dict[str, Any]]:
+        """How peers reach this rank: its receiver's port (a decode's), its backend's info."""
+        port = self.receiver.port if self.receiver is not None else None
+        return port, self.transfer.local_info()
 
     # ---- rank 0's calls -------------------------------------------------------------------
     def expect(self, room: int, pages: list[int], peer: str, shares: list[Share] | None) -> None:
@@ -219,6 +224,10 @@ class FollowerPlane:
     def close_links(self, prefill: str) -> None:
         if self.receiver is not None:
             self.receiver.close_links(prefill)
+
+    def forget(self, decode: str) -> None:
+        """A prefill's: drop what its backend set up to reach `decode` (gone or replaced)."""
+        self.transfer.forget(decode)
 
     def write(self, room: int, peer: dict[str, Any], src_pages: list[int], dst_pages: list[int],
               shares: list[Share]) -> int:

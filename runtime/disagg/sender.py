@@ -12,6 +12,9 @@ When either side has several TP ranks (runtime/disagg/shares.py), a room moves a
 prefill rank writes its KV heads to the decode ranks that hold them, on a link per decode rank
 (`write_shares`; rank 0 has its followers write theirs through `ranks`,
 runtime/disagg/ranks_plane.py), and the RoomDone follows on rank 0's link once all are written.
+A one-sided backend (nixl) writes its shares and the RoomDone its own way (WRITEs and their
+notifications, no bytes on our links): a decode's agents reach a prefill only through the
+signed registration, and the link still carries RoomFailed.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from runtime.auth.key import ClusterKey
 from runtime.disagg.handshake import open_link
 from runtime.disagg.interfaces import RankCalls
 from runtime.disagg.shares import Share, Split, plan
-from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomDone, RoomFailed, send_frame
+from runtime.disagg.transfer.base import KVTransfer, TransferError, WriteInDoubt
+from runtime.disagg.wire import AuxRecord, PeerRegistration, RoomFailed, send_frame
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,9 @@ class KVSender:
 
     def _write_ranks(self, peer: PeerRegistration, link: _Link, src_pages: list[int],
                      dst_pages: list[int], aux: AuxRecord) -> int:
-        """Every rank's shares of the room, then its RoomDone on rank 0's link (held)."""
+        """Every rank's shares of the room, then its RoomDone to decode rank 0 (on its link,
+        held). A one-sided backend's write that did not end (it timed out there, or its rank
+        did not answer in time) may still land: the room's write is then in doubt."""
         layout = peer.kv_layout
         shares = plan(self.transfer.split, Split(layout.tp_size, layout.num_kv_heads))
         writers = sorted({s.src for s in shares} - {0})
@@ -127,29 +132,42 @@ class KVSender:
                                        [s for s in shares if s.src == 0], link)
         except (OSError, TransferError) as e:
             error, nbytes = e, 0
-        for r, call in calls.items():  # every rank's write is over before the room's fate is told
+        nbytes, error = self._wait_ranks(calls, nbytes, error)
+        if error is not None:
+            raise error
+        self.transfer.write_done(peer, link.sock, aux)  # the others' shares are written
+        return nbytes
+
+    def _wait_ranks(self, calls: dict[int, Future[int]], nbytes: int,
+                    error: BaseException | None) -> tuple[int, BaseException | None]:
+        """Every rank's write is over (or in doubt) before the room's fate is told: the bytes
+        moved in all, and the error to fail the room with (one in doubt wins)."""
+        for r, call in calls.items():
             try:
                 nbytes += call.result(SEND_TIMEOUT_S)
             except Exception as e:
-                error = error or TransferError(f"prefill TP rank {r} did not write its KV: {e}")
-        if error is not None:
-            raise error
-        send_frame(link.sock, RoomDone(aux))  # behind rank 0's shares; the others' are written
-        return nbytes
+                doubt = self.transfer.one_sided and _in_doubt(e)
+                failed = (WriteInDoubt if doubt else TransferError)(
+                    f"prefill TP rank {r} did not write its KV: {e}")
+                error = failed if doubt or error is None else error
+        return nbytes, error
 
     def write_shares(self, peer: PeerRegistration, room: int, src_pages: list[int],
                      dst_pages: list[int], shares: list[Share], held: _Link | None = None) -> int:
         """This rank's `shares` of a room, each on its decode rank's link (`held`: rank 0's,
-        whose lock the caller holds). Returns the bytes moved."""
+        whose lock the caller holds), or by the backend's own way (`uses_links`). Returns the
+        bytes moved."""
         nbytes = 0
         for share in shares:
-            if share.dst == 0 and held is not None:
-                nbytes += self.transfer.write_share(held.sock, room, src_pages, dst_pages, share)
+            if not self.transfer.uses_links or (share.dst == 0 and held is not None):
+                sock = held.sock if held is not None and share.dst == 0 else None
+                nbytes += self.transfer.write_share(peer, sock, room, src_pages, dst_pages, share)
                 continue
             link = self._link(peer, share.dst)
             with link.lock:
                 try:
-                    nbytes += self.transfer.write_share(link.sock, room, src_pages, dst_pages, share)
+                    nbytes += self.transfer.write_share(peer, link.sock, room, src_pages,
+                                                        dst_pages, share)
                 except (OSError, TransferError):
                     self._drop((peer.decode_id, share.dst), link)
                     raise
@@ -217,3 +235,9 @@ class KVSender:
         for link in links:
             with contextlib.suppress(OSError):
                 link.sock.close()
+
+
+def _in_doubt(error: BaseException) -> bool:
+    """A follower's write that may not be over: it said WriteInDoubt (its reply names the
+    type), or gave no answer in time."""
+    return isinstance(error, TimeoutError) or f": {WriteInDoubt.__name__}:" in str(error)

@@ -11,7 +11,8 @@ decode rank 0 (each half of every page's heads); P tp=1 -> D tp=2 is two shares 
 prefill rank (each page split by head range); equal TP is one share per rank pair.
 
 In the page-major pool a page is [layer, K/V, token, head, dim]: a head range is one strided
-run per (layer, K/V, token), which `head_slice` views and a transfer copies.
+run per (layer, K/V, token), which `head_slice` views (tcp gathers it into one block) and
+`head_rows` lists as byte offsets (nixl writes each row as a descriptor of its own).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
+
+    from runtime.disagg.wire import KVLayout
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,24 @@ def head_slice(pages: torch.Tensor, held: tuple[int, int], share: Share) -> torc
     pool pages), as a strided view."""
     first = held[0]
     return pages[:, :, :, :, share.lo - first:share.hi - first]
+
+
+def whole(share: Share, *helds: tuple[int, int]) -> bool:
+    """Whether `share` is every head each of these ranks holds: its pages move as whole pages."""
+    return all((share.lo, share.hi) == held for held in helds)
+
+
+def head_rows(pages: np.ndarray, held: tuple[int, int], share: Share,
+              layout: KVLayout) -> tuple[np.ndarray, int]:
+    """Where the share's heads lie in the pool of a rank holding heads `held`: the byte offset
+    into its buffer of each (page, layer, K/V, token) row of heads [share.lo, share.hi), in
+    that order (`pages` [n] -> [n * layers * 2 * page_size]), and the bytes of one row. A
+    prefill rank's rows and a decode rank's rows of the same share pair up one to one."""
+    item = layout.head_bytes // (2 * layout.num_layers * layout.page_size * layout.head_dim)
+    head = layout.head_dim * item  # bytes of one head of one (layer, K/V, token) row
+    row = (held[1] - held[0]) * head  # a row of every head the rank holds
+    per_page = 2 * layout.num_layers * layout.page_size
+    offsets = (np.asarray(pages, dtype=np.int64)[:, None] * (per_page * row)
+               + np.arange(per_page, dtype=np.int64)[None, :] * row
+               + (share.lo - held[0]) * head)
+    return offsets.reshape(-1), share.heads * head

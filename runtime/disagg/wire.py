@@ -117,7 +117,8 @@ class KVLayout:
 @dataclass
 class PeerRegistration:
     """Decode -> prefill, once per pair: where to send, and the backend's own connection info.
-    With several ranks, `ranks` holds the receivers of ranks 1..tp-1 ([host, port] each)."""
+    With several ranks, `ranks` holds the receivers of ranks 1..tp-1 ([host, port] each) and
+    `rank_info` their backends' connection info (nixl: each rank's own agent; empty for tcp)."""
 
     decode_id: str
     receiver_host: str
@@ -126,6 +127,7 @@ class PeerRegistration:
     backend: str
     backend_info: dict[str, Any] = field(default_factory=dict)
     ranks: list[list[Any]] = field(default_factory=list)
+    rank_info: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -142,6 +144,9 @@ class PeerRegistration:
                 raise ValueError(f"PeerRegistration.ranks[{i}]: [host, port], got {rank!r}")
             short_text(f"PeerRegistration.ranks[{i}] host", rank[0], MAX_ID, 1)
             in_range(f"PeerRegistration.ranks[{i}] port", rank[1], 1, 65535)
+        if self.rank_info and len(self.rank_info) != len(self.ranks):
+            raise ValueError(f"PeerRegistration.rank_info: {len(self.rank_info)} entries for "
+                             f"{len(self.ranks)} ranks past rank 0")
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -153,6 +158,14 @@ class PeerRegistration:
             return self.receiver_host, self.receiver_port
         host, port = self.ranks[rank - 1]
         return str(host), int(port)
+
+    def info(self, rank: int) -> dict[str, Any]:
+        """Decode rank `rank`'s backend connection info."""
+        if rank == 0:
+            return self.backend_info
+        if not self.rank_info:
+            raise ValueError(f"decode {self.decode_id} gave no connection info for rank {rank}")
+        return self.rank_info[rank - 1]
 
 
 @dataclass

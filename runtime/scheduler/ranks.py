@@ -402,7 +402,7 @@ def _serve_calls(calls: Calls, pool: Any, rank: int) -> None:
         try:
             if op == "open":
                 plane = FollowerPlane.open(pool, rank, event, *args)
-                value = plane.port
+                value = plane.reached
             else:
                 assert plane is not None, "the KV plane is not open"
                 value = getattr(plane, op)(*args)

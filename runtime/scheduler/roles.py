@@ -139,7 +139,8 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
         receiver.also_close = close_links_everywhere(plane.ranks)
     warn_if_open(plane.key, f"decode {plane.name} (KV port {receiver.port})")
     me = PeerRegistration(plane.name, advertise_host(args), receiver.port, asdict(plane.layout),
-                          transfer.name, transfer.local_info(), plane.rank_receivers)
+                          transfer.name, transfer.local_info(), plane.rank_receivers,
+                          plane.rank_info)
     log.info("decode %s: KV receiver on %s:%d (%s)", plane.name, me.receiver_host,
              me.receiver_port, transfer.name)
     mover = (Mover(scheduler.handoffs, sender(), me.receiver_host)

@@ -10,12 +10,13 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from runtime.disagg.fence import WriteFence
 from runtime.disagg.ranks_plane import LeaderFence, close_links_everywhere
-from runtime.disagg.shares import Share, Split, head_slice, plan, sources
+from runtime.disagg.shares import Share, Split, head_rows, head_slice, plan, sources, whole
 from runtime.disagg.transfer.base import TransferError
 from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame, PeerRegistration
 from runtime.model_config import ModelConfig
@@ -113,6 +114,27 @@ def test_a_roomdone_without_rank_0s_share_or_with_a_broken_share_never_arrives()
     assert fence.arrived(1) is None
 
 
+def test_a_one_sided_roomdone_waits_for_every_shares_notification() -> None:
+    """nixl: the RoomDone comes once every rank's WRITE is over, but maybe before the shares'
+    notifications; a revoked room's is the proof its writes are over."""
+    woken: list[int] = []
+    fence = WriteFence(lambda: woken.append(1))
+    fence.expect(1, [3], P)
+    fence.bind_peer(1, P, plan(Split(2, 2), Split(1, 2)))
+    assert fence.arrive(aux(1), P) and fence.arrived(1) is None  # no share has landed yet
+    for src in (1, 0):
+        assert fence.admit(1, [3], P, src)
+        fence.landed(1, True, src)
+    assert fence.arrived(1) == aux(1) and woken == [1]
+    fence.expect(2, [4], P)
+    fence.bind_peer(2, P, plan(Split(2, 2), Split(1, 2)))
+    fence.revoke(2)
+    assert fence.arrive(aux(2), P) and fence.arrived(2) == aux(2)
+    fence.expect(3, [5], P)  # one rank each side: the record is the WRITE's own notification
+    fence.bind_peer(3, P)
+    assert fence.arrive(aux(3), P) and fence.arrived(3) == aux(3)
+
+
 class FakeRanks:
     """Followers that answer at once, recording each call."""
 
@@ -184,3 +206,22 @@ def test_a_prefill_declared_gone_loses_its_links_to_every_decode_rank() -> None:
     ranks = FakeRanks(3)
     close_links_everywhere(ranks)(P)
     assert ranks.log == [(1, "close_links", (P,)), (2, "close_links", (P,))]
+
+
+def test_head_rows_are_each_page_layer_kv_and_token_row_of_the_shares_heads() -> None:
+    """nixl's descriptors for a head range (runtime/disagg/transfer/nixl.py), against a hand
+    computation and against the pool's own view of those heads."""
+    layout = KVLayout(2, 2, 4, 3, "float32", tp_size=2)  # 2 layers, 2-token pages, head_dim 3
+    held, share = (2, 4), Share(1, 0, 3, 4)  # a rank holding heads 2 and 3 sends head 3
+    offsets, size = head_rows(np.array([5, 1]), held, share, layout)
+    row, page = 2 * 3 * 4, 2 * 2 * 2 * (2 * 3 * 4)  # bytes of a row of both heads; of a page
+    assert size == 3 * 4  # one head's head_dim floats
+    assert offsets.tolist() == [p * page + i * row + 3 * 4 for p in (5, 1) for i in range(8)]
+    pool = torch.arange(6 * 2 * 2 * 2 * 2 * 3, dtype=torch.float32).view(6, 2, 2, 2, 2, 3)
+    raw = pool.view(-1).view(torch.uint8).numpy()
+    rows = np.stack([raw[o:o + size].view(np.float32) for o in offsets])
+    assert np.array_equal(rows, head_slice(pool[[5, 1]], held, share).reshape(-1, 3).numpy())
+    # every head a rank holds: rows back to back, a page each (nixl then sends page runs)
+    full, size = head_rows(np.array([4]), (0, 2), Share(0, 0, 0, 2), layout)
+    assert np.array_equal(full, 4 * page + np.arange(8) * size) and 8 * size == page
+    assert whole(Share(0, 0, 0, 2), (0, 2), (0, 2)) and not whole(share, held, (3, 4))

@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import uuid
+from collections.abc import Callable
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from runtime.disagg.fence import WriteFence
+from runtime.disagg.shares import Split, plan
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer, layout_of
-from runtime.disagg.wire import AuxRecord, PagesFrame, RoomDone, header_limit, recv_frame
+from runtime.disagg.wire import (
+    AuxRecord,
+    KVLayout,
+    PagesFrame,
+    PeerRegistration,
+    RoomDone,
+    header_limit,
+    recv_frame,
+)
 from runtime.kvcache.fp8 import KVScales
 from runtime.kvcache.pool import KVPool
 
@@ -122,3 +134,76 @@ def test_tcp_refuses_a_frame_that_does_not_fit() -> None:
     with pytest.raises(TransferError, match="a pool of 4 pages"):
         receiver.read_pages(PagesFrame(1, [0] * 5, 5 * page), b, "p")
     a.close(), b.close()
+
+
+def _rank_pool(num_pages: int, heads: int, seed: int) -> KVPool:
+    p = KVPool(3, num_pages, 4, heads, 8, torch.float32)
+    p.buffer.copy_(torch.randn(p.buffer.shape, generator=torch.Generator().manual_seed(seed)))
+    return p
+
+
+def _wait(check: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 10
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return check()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_nixl_shares_land_in_the_heads_of_the_decode_ranks_that_hold_them(p_tp: int,
+                                                                          d_tp: int) -> None:
+    """Each prefill rank WRITEs its shares (runtime/disagg/shares.py) into the decode ranks'
+    pools, over UCX: a head range of each page where the two sides split the heads differently
+    (descriptors per row), whole pages where they split them alike; each share's notification
+    counts at its rank's fence, and the RoomDone, sent first here, waits for them all."""
+    pytest.importorskip("nixl")
+    from runtime.disagg.transfer.nixl import NixlTransfer
+
+    kv, me, room = 2, f"baton-prefill-{uuid.uuid4().hex[:8]}", 9
+    src_split, dst_split = Split(p_tp, kv), Split(d_tp, kv)
+    arrived = threading.Event()
+    fences = [WriteFence(arrived.set)] + [WriteFence(rank=r) for r in range(1, d_tp)]
+    dsts = [_rank_pool(12, kv // d_tp, 100 + r) for r in range(d_tp)]
+    d_layout = KVLayout(3, 4, kv, 8, "float32", tp_size=d_tp)
+    receivers = [NixlTransfer(p, f"baton-decode-x{d_tp}", f, d_layout, r)
+                 for r, (p, f) in enumerate(zip(dsts, fences, strict=True))]
+    srcs = [_rank_pool(8, kv // p_tp, r) for r in range(p_tp)]
+    p_layout = KVLayout(3, 4, kv, 8, "float32", tp_size=p_tp)
+    senders = [NixlTransfer(p, me, None, p_layout, r) for r, p in enumerate(srcs)]
+    peer = PeerRegistration("decode", "h", 1, asdict(d_layout), "nixl",
+                            receivers[0].local_info(), [["h", 2 + r] for r in range(1, d_tp)],
+                            [t.local_info() for t in receivers[1:]])
+    src_pages, dst_pages = [6, 7, 0, 3], [2, 3, 11, 5]
+    before = [p.buffer.clone() for p in dsts]
+    shares = plan(src_split, dst_split)
+    try:
+        for fence in fences:
+            fence.expect(room, dst_pages, me)
+            assert fence.bind_peer(room, me, shares)
+        senders[0].connect("decode", peer.backend_info)  # (the prefill's registration)
+        senders[0].write_done(peer, None, aux_for(room))  # early: it waits
+        nbytes = sum(senders[s.src].write_share(peer, None, room, src_pages, dst_pages, s)
+                     for s in shares)
+        assert nbytes == len(src_pages) * layout_of(_rank_pool(1, kv, 0)).page_bytes
+        assert arrived.wait(10) and fences[0].arrived(room) == aux_for(room)
+        for r, fence in enumerate(fences):
+            assert _wait(lambda f=fence: f._rooms[room].complete()), r  # type: ignore[misc]
+        for d, pool_d in enumerate(dsts):
+            d_first = dst_split.held(d)[0]
+            for s in (s for s in shares if s.dst == d):
+                s_first = src_split.held(s.src)[0]
+                got = pool_d.buffer[dst_pages][..., s.lo - d_first:s.hi - d_first, :]
+                want = srcs[s.src].buffer[src_pages][..., s.lo - s_first:s.hi - s_first, :]
+                assert torch.equal(got, want), (d, s)
+            untouched = [p for p in range(12) if p not in dst_pages]
+            assert torch.equal(pool_d.buffer[untouched], before[d][untouched])
+        # a share into pages its room does not name lands (one-sided) but counts for nothing
+        first = shares[0]
+        fences[first.dst].expect(10, [1, 4, 8, 9], me)
+        assert fences[first.dst].bind_peer(10, me, shares)
+        senders[first.src].write_share(peer, None, 10, src_pages, dst_pages, first)
+        time.sleep(0.2)
+        assert not fences[first.dst]._rooms[10].written
+    finally:
+        for t in (*senders, *receivers):
+            t.close()

@@ -232,11 +232,12 @@ def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,
 def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,
                                                server: ServerProcess) -> None:
     """spec.decode.tensorParallelSize 3 (the builtin's 9 heads and 3 KV heads: one KV head a
-    rank), KV over tcp: the operator rolls both pools, the new decode pod runs three ranks,
-    the router pairs it with the one-rank prefill, and a streamed chat through the router equals
-    the colocated server's. `kubectl get bisvc -o wide` shows each pool's TP."""
+    rank): the new decode pod runs three ranks, the router pairs it with the one-rank prefill,
+    each prefill page goes to the three decode ranks by head over nixl, and a streamed chat
+    through the router equals the colocated server's. `kubectl get bisvc -o wide` shows each
+    pool's TP."""
     run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
-                '{"spec":{"kvTransfer":{"backend":"tcp"},"decode":{"tensorParallelSize":3}}}')
+                '{"spec":{"decode":{"tensorParallelSize":3}}}')
 
     def rolled() -> bool:
         svc = cluster.get(NAME) or {}
@@ -264,7 +265,7 @@ def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Clu
     assert any((p["prefill_tp"], p["decode_tp"]) == (1, 3) and p["succeeded"] >= len(PROMPTS)
                for p in pairs), pairs
     (row,) = table_cells(run_kubectl("get", "bisvc", "-o", "wide"))
-    assert (row["PREFILL-TP"], row["DECODE-TP"], row["KV"]) == ("1", "3", "tcp"), row
+    assert (row["PREFILL-TP"], row["DECODE-TP"], row["KV"]) == ("1", "3", "nixl"), row
 
 
 def test_a_killed_prefill_is_restarted_and_the_service_recovers(local: LocalCluster,

@@ -6,6 +6,7 @@ backends that cannot read fp8 pages refuse by name."""
 from __future__ import annotations
 
 import socket
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from runtime.disagg.fence import WriteFence
 from runtime.disagg.shares import Share
 from runtime.disagg.transfer.base import layout_of
 from runtime.disagg.transfer.tcp import TcpTransfer
-from runtime.disagg.wire import KVLayout, PagesFrame, recv_frame
+from runtime.disagg.wire import KVLayout, PagesFrame, PeerRegistration, recv_frame
 from runtime.kvcache.fp8 import FP8, KVScales, checkpoint_scales, quantize
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
@@ -133,11 +134,12 @@ def test_a_tp_share_of_fp8_pages_lands_in_the_same_heads_of_a_decode_ranks_pages
     sender = TcpTransfer(src, "p", layout=layout)
     receiver = TcpTransfer(dst, "d", fence, KVLayout(**{**layout.pairing(), "tp_size": 2}), rank=1)
     share = Share(0, 1, 1, 2)
+    peer = PeerRegistration("d", "h", 1, asdict(receiver.layout), "tcp", ranks=[["h", 2]])
     fence.expect(5, [6, 2], "p")
     assert fence.bind_peer(5, "p", [share])
     a, b = socket.socketpair()
     with a, b:
-        sender.write_share(a, 5, [1, 3], [6, 2], share)
+        sender.write_share(peer, a, 5, [1, 3], [6, 2], share)
         frame = recv_frame(b, 1 << 20)
         assert isinstance(frame, PagesFrame)
         assert receiver.read_pages(frame, b, "p")

@@ -11,7 +11,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from baton_operator.builders import build_children, build_deployment
-from baton_operator.parallel import BUILTIN_SHAPES, split_problem
+from baton_operator.builders.common import UCX_PORT_RANGE
+from baton_operator.parallel import BUILTIN_SHAPES, NIXL_MAX_TP, split_problem
 from baton_operator.spec import InferenceService, parse_service
 
 TP2 = {"model": {"uri": "hf://org/name"}, "kvTransfer": {"backend": "tcp"},
@@ -80,6 +81,23 @@ def test_tp_defaults_to_the_gpu_count_else_one_and_sizes_shm() -> None:
     mine = service(kvTransfer={"backend": "tcp"}, prefill={"tensorParallelSize": 3,
                                                             "sharedMemorySize": "512Mi"})
     assert mine.prefill.shared_memory_size == "512Mi"
+
+
+def test_a_tp_pool_moves_kv_over_nixl_too() -> None:
+    """nixl is the default backend and a TP pool takes it: each rank's agent listens in the
+    pod's UCX port range (two ports each), which holds NIXL_MAX_TP of them."""
+    svc = service(model={"uri": "hf://o/n"}, prefill={"gpu": {"count": 2}},
+                  decode={"tensorParallelSize": 3})
+    for role, tp in (("prefill", "2"), ("decode", "3")):
+        main = pod(svc, role)["containers"][0]
+        argv = main["args"][1:]
+        assert (argv[argv.index("--tp") + 1], argv[argv.index("--kv-transfer") + 1]) == (tp, "nixl")
+        assert {"name": "UCX_TCP_PORT_RANGE", "value": "20000-20015"} in main["env"]
+    assert UCX_PORT_RANGE[1] - UCX_PORT_RANGE[0] + 1 == 2 * NIXL_MAX_TP
+    assert service(model={"uri": "hf://o/n"},
+                   decode={"tensorParallelSize": NIXL_MAX_TP}).decode.tensor_parallel_size == 8
+    for child in build_children(svc):
+        kubernetes_validate.validate(child, "1.30", strict=True)
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_SHAPES))

@@ -77,11 +77,11 @@ def test_defaults_match_the_crd() -> None:
     ({"prefill": {"tensorParallelSize": 0}}, "spec.prefill.tensorParallelSize 0"),
     ({"prefill": {"tensorParallelSize": 65}}, "spec.prefill.tensorParallelSize 65"),
     ({"prefill": {"tensorParallelSize": "2"}}, "spec.prefill.tensorParallelSize '2'"),
-    ({"prefill": {"gpu": {"count": 3}}},  # the default backend
-     r"spec.prefill.tensorParallelSize 3 needs the tcp KV transfer, not nixl \(spec.kvTransfer"),
-    ({"kvTransfer": {"backend": "tcp"}, "decode": {"tensorParallelSize": 3,
-                                                   "args": ["--kv-transfer=nixl"]}},
-     r"spec.decode.tensorParallelSize 3 needs the tcp KV transfer, not nixl \(spec.decode.args"),
+    ({"model": {"uri": "hf://o/n"}, "prefill": {"tensorParallelSize": 16}},  # default backend
+     r"spec.prefill.tensorParallelSize 16 with nixl \(spec.kvTransfer.backend\): a pod's UCX"),
+    ({"kvTransfer": {"backend": "tcp"}, "model": {"uri": "hf://o/n"},
+      "decode": {"tensorParallelSize": 9, "args": ["--kv-transfer=nixl"]}},
+     r"spec.decode.tensorParallelSize 9 with nixl \(spec.decode.args\)"),
     ({"kvTransfer": {"backend": "tcp"}, "decode": {"tensorParallelSize": 3,
                                                    "args": ["--kv-canary-bytes", "partial"]}},
      "spec.decode.tensorParallelSize 3 and --kv-canary-bytes in spec.decode.args"),

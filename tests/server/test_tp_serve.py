@@ -133,9 +133,9 @@ def test_tp_alias_and_what_it_does_not_serve_yet(capsys: pytest.CaptureFixture[s
 
     assert parse_server_args(["--tensor-parallel-size", "4"]).engine.tp == 4
     pd = ["--tp", "2", "--role", "decode", "--kv-transfer"]
-    assert parse_server_args([*pd, "tcp"]).engine.tp == 2  # PD over ranks: tcp
+    for backend in ("tcp", "nixl"):  # PD over ranks: either backend
+        assert parse_server_args([*pd, backend]).disagg.kv_transfer == backend
     for argv, why in ((["--tp", "0"], "--tp must be >= 1"),
-                      ([*pd, "nixl"], "move KV over --kv-transfer tcp for now, not nixl"),
                       ([*pd, "tcp", "--kv-canary", "raise", "--kv-canary-bytes", "all"],
                        "per-rank checksums are not built yet"),
                       (["--tp-timeout-s", "0"], "--tp-timeout-s must be > 0")):

@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.disagg.fence import WriteFence
 from runtime.disagg.shares import Share, Split
-from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame
+from runtime.disagg.wire import AuxRecord, KVLayout, PagesFrame, PeerRegistration
 from runtime.kvcache.pool import KVPool
 
 _BACKENDS = {
@@ -53,6 +53,7 @@ class KVTransfer(ABC):
 
     name = ""
     one_sided = False
+    uses_links = True  # its pages stream over our links (else they go by the backend's own way)
 
     def __init__(self, pool: KVPool, agent_name: str, fence: WriteFence | None = None,
                  layout: KVLayout | None = None, rank: int = 0) -> None:
@@ -91,12 +92,20 @@ class KVTransfer(ABC):
         the ordered prefill->decode link (used by backends that stream over it).
         Returns the bytes moved; raises TransferError or OSError."""
 
-    def write_share(self, link: socket.socket, room: int, src_pages: list[int],
-                    dst_pages: list[int], share: Share) -> int:
-        """Copy this rank's KV heads of `share` from src_pages into the decode rank's dst_pages
-        on `link` (that rank's); no aux record follows. Returns the bytes moved."""
-        raise TransferError(f"{self.name} backend cannot move KV between ranks of different "
-                            "tensor parallelism yet (use --kv-transfer tcp)")
+    @abstractmethod
+    def write_share(self, peer: PeerRegistration, link: socket.socket | None, room: int,
+                    src_pages: list[int], dst_pages: list[int], share: Share) -> int:
+        """Copy this rank's KV heads of `share` from src_pages into decode rank `share.dst`'s
+        dst_pages of `peer` (tensor parallelism: runtime/disagg/shares.py), with the word
+        that tells that rank's fence the share landed; block until written. `link`: the link
+        to that rank (None for a backend that does not stream over links, `uses_links`). No
+        aux record follows (`write_done`). Returns the bytes moved."""
+
+    @abstractmethod
+    def write_done(self, peer: PeerRegistration, link: socket.socket | None,
+                   aux: AuxRecord) -> None:
+        """The room's RoomDone (its aux record) to decode rank 0, once every share of every
+        rank is written: on `link` (rank 0's), behind rank 0's share, or by the backend."""
 
     # ---- decode side ----------------------------------------------------------------------
     def read_pages(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:

@@ -20,7 +20,15 @@ import torch
 from runtime.disagg.fence import WriteFence
 from runtime.disagg.shares import Share, head_slice
 from runtime.disagg.transfer.base import KVTransfer, TransferError
-from runtime.disagg.wire import AuxRecord, KVLayout, LinkClosed, PagesFrame, RoomDone, send_frame
+from runtime.disagg.wire import (
+    AuxRecord,
+    KVLayout,
+    LinkClosed,
+    PagesFrame,
+    PeerRegistration,
+    RoomDone,
+    send_frame,
+)
 from runtime.kvcache.pool import KVPool
 
 IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (the kernel allows 1024)
@@ -101,14 +109,20 @@ class TcpTransfer(KVTransfer):
         send_frame(link, RoomDone(aux))  # behind the pages on the same ordered link
         return nbytes
 
-    def write_share(self, link: socket.socket, room: int, src_pages: list[int],
-                    dst_pages: list[int], share: Share) -> int:
+    def write_share(self, peer: PeerRegistration, link: socket.socket | None, room: int,
+                    src_pages: list[int], dst_pages: list[int], share: Share) -> int:
+        assert link is not None  # (uses_links)
         src = torch.tensor(src_pages, dtype=torch.int64, device=self.pool.device)
         part = head_slice(self.pool.buffer.index_select(0, src), self.held, share)
         raw = part.contiguous().cpu().view(torch.uint8)
         send_frame(link, PagesFrame(room, dst_pages, raw.numel(), [share.src, share.lo, share.hi]))
         send_views(link, [memoryview(raw.numpy()).cast("B")])  # type: ignore[arg-type]
         return raw.numel()
+
+    def write_done(self, peer: PeerRegistration, link: socket.socket | None,
+                   aux: AuxRecord) -> None:
+        assert link is not None  # (uses_links)
+        send_frame(link, RoomDone(aux))  # behind rank 0's share on the same ordered link
 
     def read_pages(self, frame: PagesFrame, link: socket.socket, peer: str) -> bool:
         if frame.share is not None:
