@@ -13,6 +13,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_ROLE = "baton.dev/role"
+LABEL_REVISION = "baton.dev/revision"  # a worker pod's revision (pods.py `spec_revision`)
 
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998

@@ -7,6 +7,8 @@ non-root user on a read-only root filesystem; everything the runtime writes goes
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +18,7 @@ from baton_operator.builders.common import (
     BOOTSTRAP_PORT,
     HTTP_PORT,
     KV_PORT,
+    LABEL_REVISION,
     UCX_PORTS,
     kv_ports,
     labels,
@@ -57,6 +60,8 @@ CACHE_ENV: tuple[dict[str, str], ...] = (
     {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
 )
 # The address peers reach a worker's KV endpoint on (runtime: --advertise-host > $POD_IP).
+REVISION_ENV = "BATON_REVISION"  # runtime/revision.py
+WORKER_ROLES: tuple[WorkerRole, ...] = ("prefill", "decode")
 POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 # Workers: model load can take minutes (conversion, cold page cache); 10 s x 90 = 15 min.
 WORKER_STARTUP = {"periodSeconds": 10, "failureThreshold": 90}
@@ -109,7 +114,31 @@ def _selector(svc: InferenceService, role: Role) -> str:
 
 
 def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
-    """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`)."""
+    """Pod template of a worker pool, with `spec.<role>.template` merged in (see `merge`), and
+    the spec's revision as the label `baton.dev/revision` and $BATON_REVISION."""
+    pod = _worker_pod(svc, role)
+    revision = spec_revision(svc)
+    pod["metadata"]["labels"][LABEL_REVISION] = revision
+    container = pod["spec"]["containers"][0]
+    container["env"] = [*container["env"], {"name": REVISION_ENV, "value": revision}]
+    return pod
+
+
+def spec_revision(svc: InferenceService) -> str:
+    """The revision of the spec's workers (runtime/revision.py): 12 hex digits of a digest of
+    what both worker pools compute with, as rendered: each one's image, command, args and env
+    and its model's init containers. Replicas, resources and placement are not in it; a change
+    to either pool's computing makes a new revision for both, since a prefill hands its KV only
+    to a decode of its own revision."""
+    computes = []
+    for role in WORKER_ROLES:
+        spec = _worker_pod(svc, role)["spec"]
+        computes.append([{k: c.get(k) for k in ("image", "command", "args", "env")}
+                         for c in [*spec.get("initContainers", []), *spec["containers"]]])
+    return hashlib.sha256(json.dumps(computes, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     pool = svc.pool(role)
     volumes, mounts, init = _model_source(svc, role)
     # every port of the KV plane is declared: bootstrap (prefill; decode: where a draining
