@@ -138,11 +138,6 @@ def _check(args: ServerArgs) -> list[str]:
     problems += _check_kv_cache_dtype(args.engine.kv_cache_dtype, args.engine.attention_backend)
     if args.engine.tp_timeout_s <= 0:
         problems.append("--tp-timeout-s must be > 0")
-    if args.engine.tp > 1 and args.role != "colocated" and args.canary.kv_canary_bytes != "none":
-        problems.append(f"--kv-canary-bytes {args.canary.kv_canary_bytes} with --tp "
-                        f"{args.engine.tp} and --role {args.role}: the byte checksums cover one "
-                        "rank's KV heads; per-rank checksums are not built yet (the canary's "
-                        "tags work)")
     if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0 or args.stall_timeout_s <= 0:
         problems.append("--request-timeout-s and --stall-timeout-s must be > 0 and "
                         "--shutdown-grace-s >= 0")
