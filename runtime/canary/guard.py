@@ -8,8 +8,9 @@ it pays one None check a forward. Under tensor parallelism every rank has one, o
 pool, and runs it after the same forwards: each checks its own KV heads' bytes, and the ranks'
 violations are joined (`join`: the largest count of each row and kind over the ranks, one
 all-reduce of [B, kinds] in each checked forward), so rank 0's ForwardOutput holds a fault
-that any rank found. That collective also means that once rank 0 has a forward's result, every
-rank has tagged and summed the slots it wrote.
+that any rank found. The scheduler sends checks with every forward, so that collective also
+means that once rank 0 has a forward's result, every rank has tagged and summed the slots it
+wrote (what runtime/canary/ranks.py reads of them at a hand-off).
 """
 
 from __future__ import annotations

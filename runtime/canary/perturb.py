@@ -91,8 +91,8 @@ class Perturber:
         if kind == "kv_after_forward":
             slot = int(batch.out_cache_loc[sum(batch.extend_lens[: row + 1]) - 1])  # its newest
             element = self._pick(self.rng, slot // self._page_size(), slot % self._page_size())
-            victim, self.strikes = (self.strikes + 1) % self.size, self.strikes + 1
-            if victim == self.rank:
+            self.strikes += 1  # the n-th strike (from 0) lands on rank (n + 1) mod tp
+            if self.strikes % self.size == self.rank:
                 flip(self.buffer, element)
             return True
         if kind == "req_to_token":
@@ -155,6 +155,5 @@ class Perturber:
         if not pages or p == 0.0 or self.send_rng.random() >= p:
             return None
         element = self._pick(self.send_rng, self.send_rng.choice(pages), 0)
-        rank = self.senders[(self.sent + 1) % len(self.senders)]
-        self.sent += 1
-        return rank, element
+        self.sent += 1  # the n-th (from 0) on the (n + 1)-th sending rank
+        return self.senders[self.sent % len(self.senders)], element
