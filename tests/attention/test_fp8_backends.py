@@ -40,51 +40,61 @@ class Holder:  # what KVCacheManager needs of a request
     kv: KVSlots = field(default_factory=KVSlots)
 
 
-def batch(mode: str, out_loc: torch.Tensor, holders: list[Holder], new: list[int]) -> ForwardBatch:
-    lens = [h.kv.length for h in holders]
+@dataclass(frozen=True)
+class Outputs:
+    extended: torch.Tensor  # [new tokens, H * D] of the extend, in layer 1
+    decoded: torch.Tensor  # [requests, H * D] of the decode after it, in layer 2
+    pool: KVPool  # afterwards
+
+
+def batch(mode: str, out_loc: torch.Tensor, rows: list[int], lens: list[int], new: list[int],
+          device: torch.device) -> ForwardBatch:
+    def t(x: list[int] | torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64).to(device)
+
     return ForwardBatch(
         mode=mode,  # type: ignore[arg-type]
-        input_ids=torch.zeros(sum(new), dtype=torch.int64),
-        positions=torch.cat([torch.arange(n - e, n) for n, e in zip(lens, new, strict=True)]),
-        out_cache_loc=out_loc,
-        req_pool_indices=torch.tensor([h.kv.row for h in holders]),
-        seq_lens=lens, extend_lens=new, seq_lens_t=torch.tensor(lens),
-        extend_lens_t=torch.tensor(new), sampling=None,  # type: ignore[arg-type]
+        input_ids=t(torch.zeros(sum(new))),
+        positions=t(torch.cat([torch.arange(n - e, n) for n, e in zip(lens, new, strict=True)])),
+        out_cache_loc=t(out_loc), req_pool_indices=t(rows), seq_lens=lens, extend_lens=new,
+        seq_lens_t=t(lens), extend_lens_t=t(new), sampling=None,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
-def run(name: str, layers: tuple[int, int] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
-    """`name`'s extend output (in layer layers[0]) and decode output (layers[1]) over the same
-    fp8 pool and batches whatever the backend, and the pool afterwards."""
+def run(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Outputs:
+    """Backend `name` over the same fp8 pool and batches whatever the backend: every slot is
+    handed out on the host first (shuffled pages), then the table goes to `device`."""
     g = torch.Generator().manual_seed(0)
     num_pages = 40
-    pool = KVPool(3, num_pages, PAGE, KV_HEADS, HEAD_DIM, torch.float32, scales=SCALES)
+    pool = KVPool(3, num_pages, PAGE, KV_HEADS, HEAD_DIM, dtype, device, SCALES)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(FP8))
     allocator = PageAllocator(num_pages, PAGE)
     everything = allocator.alloc(num_pages)  # handed back shuffled: scattered pages
     allocator.free([everything[i] for i in torch.randperm(num_pages, generator=g).tolist()])
-    kv = KVCacheManager(allocator, ReqToTokenPool(len(PAIRS) + 1, 64, "cpu"))
+    kv = KVCacheManager(allocator, ReqToTokenPool(len(PAIRS), 64, "cpu"))
     holders = [Holder() for _ in PAIRS]
     for h, (prefix, _) in zip(holders, PAIRS, strict=True):
         kv.grow(h, prefix)  # the cached prefix: random fp8 bytes already in the pool
-    attn: AttentionBackend = create_attention_backend(name, pool, kv.req_to_token, SCALE)
     new = [n for _, n in PAIRS]
-    out_loc = torch.cat([kv.grow(h, h.kv.length + n) for h, n in zip(holders, new, strict=True)])
-    extend = batch("extend", out_loc, holders, new)
-    q, k, v = (torch.randn(sum(new), heads, HEAD_DIM, generator=g)
-               for heads in (HEADS, KV_HEADS, KV_HEADS))
-    attn.begin(extend)
-    extended = attn.forward(layers[0], q, k, v, extend)
-    decode = batch("decode", kv.grow_one_each(holders), holders, [1] * len(holders))  # type: ignore[arg-type]
-    q, k, v = (torch.randn(len(holders), heads, HEAD_DIM, generator=g)
-               for heads in (HEADS, KV_HEADS, KV_HEADS))
-    attn.begin(decode)
-    decoded = attn.forward(layers[1], q, k, v, decode)
-    return extended, decoded, pool
+    extend_loc = torch.cat([kv.grow(h, h.kv.length + n) for h, n in zip(holders, new, strict=True)])
+    lens = [h.kv.length for h in holders]
+    decode_loc = kv.grow_one_each(holders)  # type: ignore[arg-type]
+    table = ReqToTokenPool(len(PAIRS), 64, device)
+    table.table.copy_(kv.req_to_token.table)
+    rows, dev = [h.kv.row for h in holders], pool.device
+    attn: AttentionBackend = create_attention_backend(name, pool, table, SCALE)
+    out = []
+    for layer, b in ((1, batch("extend", extend_loc, rows, lens, new, dev)),
+                     (2, batch("decode", decode_loc, rows, [n + 1 for n in lens], [1] * len(rows), dev))):
+        q, k, v = (torch.randn(sum(b.extend_lens), heads, HEAD_DIM, generator=g).to(dev, dtype)
+                   for heads in (HEADS, KV_HEADS, KV_HEADS))
+        attn.begin(b)
+        out.append(attn.forward(layer, q, k, v, b))
+    return Outputs(out[0], out[1], pool)
 
 
 @pytest.fixture(scope="module")
-def torch_run() -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+def torch_run() -> Outputs:
     return run("torch")
 
 
@@ -98,14 +108,12 @@ BACKENDS = [
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_each_backend_reads_and_writes_fp8_pages_as_torch_does(
-        name: str, torch_run: tuple[torch.Tensor, torch.Tensor, KVPool],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        name: str, torch_run: Outputs, monkeypatch: pytest.MonkeyPatch) -> None:
     if name == "flashinfer":  # flashinfer needs CUDA: its wrappers' stand-in, baton's backend
         from runtime.attention.registry import _REGISTRY
 
         monkeypatch.setitem(_REGISTRY, "flashinfer", "tests.attention.flashinfer_standin:backend")
-    extended, decoded, pool = run(name)
-    want_extended, want_decoded, want_pool = torch_run
-    torch.testing.assert_close(extended, want_extended, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(decoded, want_decoded, atol=2e-5, rtol=1e-4)
-    assert torch.equal(pool.buffer.view(torch.uint8), want_pool.buffer.view(torch.uint8))
+    got = run(name)
+    torch.testing.assert_close(got.extended, torch_run.extended, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.decoded, torch_run.decoded, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got.pool.buffer.view(torch.uint8), torch_run.pool.buffer.view(torch.uint8))
