@@ -1,9 +1,12 @@
 """Prefill/decode disaggregation: KV transfer bandwidth, and PD serving against colocated.
 
     python bench/pd.py [--tokens 256 1024 4096] [--concurrency 1 16 64] [--skip-serving]
+                       [--kv-cache-dtype float32 bfloat16 fp8_e4m3]
 
 1. Transfer: two processes on loopback, each with a KV pool of the builtin model's layout
-   (30 layers, 3 KV heads x 64, float32, pages of 16 tokens). The sender writes one prompt's
+   (30 layers, 3 KV heads x 64, pages of 16 tokens) in each --kv-cache-dtype asked for
+   (float32 by default; fp8_e4m3 is --kv-cache-dtype fp8_e4m3's pool: one byte an element,
+   scales 1.0), then a table of bytes and time per token for each dtype side by side. The sender writes one prompt's
    pages (K and V of every layer, scattered pages) into the receiver's pool through baton's own
    KVTransfer backends (nixl, tcp), with the aux record behind them, and times until the
    receiver process reports the room arrived. Peers in the same run: a single-thread memcpy
@@ -38,18 +41,27 @@ LAYOUT = {"num_layers": 30, "page_size": 16, "num_kv_heads": 3, "head_dim": 64}
 POOL_TOKENS = 8192
 
 
-def make_pool() -> Any:
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3")
+
+
+def make_pool(kv_dtype: str) -> Any:
+    """A pool of the layout in `kv_dtype` (fp8_e4m3: float8 pages of a float32 model), its
+    bytes random (a transfer moves bytes, whatever they mean)."""
     import torch
 
+    from runtime.kvcache.fp8 import KVScales
     from runtime.kvcache.pool import KVPool
 
+    fp8 = kv_dtype == "fp8_e4m3"
     pool = KVPool(LAYOUT["num_layers"], POOL_TOKENS // LAYOUT["page_size"], LAYOUT["page_size"],
-                  LAYOUT["num_kv_heads"], LAYOUT["head_dim"], torch.float32)
-    pool.buffer.normal_()
+                  LAYOUT["num_kv_heads"], LAYOUT["head_dim"],
+                  torch.float32 if fp8 else getattr(torch, kv_dtype),
+                  scales=KVScales.default(LAYOUT["num_layers"]) if fp8 else None)
+    pool.page_rows().random_()
     return pool
 
 
-def receiver_main(backend: str, secret: bytes, conn: Connection) -> None:
+def receiver_main(backend: str, kv_dtype: str, secret: bytes, conn: Connection) -> None:
     """The decode side: pool, transfer, receiver; for each room the sender announces (its
     destination pages), reports over `conn` once its KV and aux record arrived."""
     import threading
@@ -60,7 +72,7 @@ def receiver_main(backend: str, secret: bytes, conn: Connection) -> None:
     from runtime.disagg.tally import Tally
     from runtime.disagg.transfer.base import create_transfer
 
-    pool = make_pool()
+    pool = make_pool(kv_dtype)
     arrival = threading.Event()
     fence = WriteFence(arrival.set)
     transfer = create_transfer(backend, pool, "bench-decode", fence)
@@ -87,7 +99,7 @@ def page_lists(rng: random.Random, num_pages: int, pages: int, layout: str) -> t
     return rng.sample(range(num_pages), pages), rng.sample(range(num_pages), pages)
 
 
-def transfer_bench(backend: str, tokens: list[int], reps: int,
+def transfer_bench(backend: str, tokens: list[int], reps: int, kv_dtype: str = "float32",
                    secret: bytes = b"") -> list[dict[str, Any]]:
     from runtime.auth.key import ClusterKey
     from runtime.disagg.handshake import open_link
@@ -95,12 +107,12 @@ def transfer_bench(backend: str, tokens: list[int], reps: int,
     from runtime.disagg.wire import AuxRecord
 
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, secret, child),
+    proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, kv_dtype, secret, child),
                                            daemon=True)
     proc.start()
     try:
         info, port = parent.recv()
-        pool = make_pool()
+        pool = make_pool(kv_dtype)
         transfer = create_transfer(backend, pool, "bench-prefill")
         transfer.connect("decode", info)
         link = socket.create_connection(("127.0.0.1", port))
@@ -129,7 +141,8 @@ def transfer_bench(backend: str, tokens: list[int], reps: int,
                     nbytes, seconds = one(*page_lists(rng, pool.num_pages, pages, layout), n)
                     times.append(seconds)
                 t = statistics.median(times)
-                rows.append({"backend": backend, "pages": layout, "tokens": n, "bytes": nbytes,
+                rows.append({"backend": backend, "kv_dtype": kv_dtype, "pages": layout,
+                             "tokens": n, "bytes": nbytes, "bytes_per_token": nbytes / n,
                              "median_s": t, "gb_s": nbytes / t / 1e9})
         transfer.close()
         link.close()
@@ -209,28 +222,58 @@ def memcpy_bench(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run_transfers(tokens: list[int], reps: int) -> dict[str, Any]:
+def run_transfers(tokens: list[int], reps: int, kv_dtypes: list[str]) -> dict[str, Any]:
     rows = []
     for backend in ("nixl", "tcp"):
-        try:
-            rows += transfer_bench(backend, tokens, reps)
-        except Exception as e:  # e.g. nixl missing on this host: say so, measure the rest
-            print(f"{backend}: not measured ({e})", file=sys.stderr)
+        for kv_dtype in kv_dtypes:
+            try:
+                rows += transfer_bench(backend, tokens, reps, kv_dtype)
+            except Exception as e:  # e.g. nixl missing on this host: say so, measure the rest
+                print(f"{backend}: not measured ({e})", file=sys.stderr)
     sizes = sorted({r["bytes"] for r in rows})
     memcpy = {n: memcpy_bench(n, reps) for n in sizes}
     cma = {n: cma_bench(n, reps) for n in sizes}
     for r in rows:
         r["memcpy_gb_s"], r["cma_gb_s"] = memcpy[r["bytes"]], cma[r["bytes"]]
         r["vs_memcpy"] = r["gb_s"] / r["memcpy_gb_s"]
-    print(f"\nKV transfer, {LAYOUT}, float32, median of {reps}; peers: single-thread memcpy and "
+    print(f"\nKV transfer, {LAYOUT}, median of {reps}; peers: single-thread memcpy and "
           "one process_vm_writev (cma) of the same bytes")
-    print(f"{'backend':>8} {'pages':>11} {'tokens':>7} {'MB':>7} {'ms':>8} {'GB/s':>6} "
-          f"{'memcpy':>7} {'cma':>6} {'/memcpy':>8}")
+    print(f"{'backend':>8} {'kv dtype':>9} {'pages':>11} {'tokens':>7} {'MB':>7} {'ms':>8} "
+          f"{'GB/s':>6} {'memcpy':>7} {'cma':>6} {'/memcpy':>8}")
     for r in rows:
-        print(f"{r['backend']:>8} {r['pages']:>11} {r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} "
-              f"{r['median_s'] * 1e3:>8.2f} {r['gb_s']:>6.2f} {r['memcpy_gb_s']:>7.2f} "
-              f"{r['cma_gb_s']:>6.2f} {r['vs_memcpy']:>8.2f}")
-    return {"rows": rows, "memcpy_gb_s": memcpy, "cma_gb_s": cma}
+        print(f"{r['backend']:>8} {r['kv_dtype']:>9} {r['pages']:>11} {r['tokens']:>7} "
+              f"{r['bytes'] / 1e6:>7.1f} {r['median_s'] * 1e3:>8.2f} {r['gb_s']:>6.2f} "
+              f"{r['memcpy_gb_s']:>7.2f} {r['cma_gb_s']:>6.2f} {r['vs_memcpy']:>8.2f}")
+    per_token = dtype_table(rows, kv_dtypes)
+    return {"rows": rows, "memcpy_gb_s": memcpy, "cma_gb_s": cma, "per_token": per_token}
+
+
+def dtype_table(rows: list[dict[str, Any]], kv_dtypes: list[str]) -> list[dict[str, Any]]:
+    """Bytes and microseconds per token of each dtype side by side (scattered pages), each as a
+    fraction of the first dtype's; printed, and returned for the report."""
+    out = []
+    print(f"\nPer token, scattered pages: {' | '.join(kv_dtypes)} (x: of {kv_dtypes[0]}'s)")
+    for backend in sorted({r["backend"] for r in rows}):
+        for n in sorted({r["tokens"] for r in rows}):
+            cells = {r["kv_dtype"]: r for r in rows if r["backend"] == backend
+                     and r["tokens"] == n and r["pages"] == "scattered"}
+            if kv_dtypes[0] not in cells:
+                continue
+            base = cells[kv_dtypes[0]]
+            line = []
+            for d in kv_dtypes:
+                r = cells.get(d)
+                if r is None:
+                    continue
+                us = r["median_s"] / n * 1e6
+                row = {"backend": backend, "tokens": n, "kv_dtype": d,
+                       "bytes_per_token": r["bytes_per_token"], "us_per_token": us,
+                       "bytes_x": r["bytes"] / base["bytes"], "time_x": r["median_s"] / base["median_s"]}
+                out.append(row)
+                line.append(f"{d} {r['bytes_per_token']:.0f} B {us:.2f} us "
+                            f"({row['bytes_x']:.2f}x B, {row['time_x']:.2f}x t)")
+            print(f"{backend:>6} {n:>6} tokens: " + " | ".join(line))
+    return out
 
 
 def main() -> int:
@@ -241,11 +284,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--model", default="builtin:smollm2-135m")
     ap.add_argument("--kv-transfer", default="nixl", choices=["nixl", "tcp"])
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["float32"], choices=KV_DTYPES,
+                    help="the transfer's pool dtypes, measured side by side (the serving part "
+                         "runs the servers' default)")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pd.json"))
     args = ap.parse_args()
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
-    report["transfer"] = run_transfers(args.tokens, args.reps)
+    report["transfer"] = run_transfers(args.tokens, args.reps, args.kv_cache_dtype)
     if not args.skip_serving:
         from pd_serving import run_serving
 

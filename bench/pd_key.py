@@ -49,7 +49,7 @@ def transfers(tokens: list[int], reps: int, rounds: int) -> list[dict[str, Any]]
             for i in range(rounds):  # off, on, on, off, off, on ...: neither always goes first
                 for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
                     secret = secrets.token_hex(32).encode() if side == "on" else b""
-                    runs[side].append(transfer_bench(backend, tokens, reps, secret))
+                    runs[side].append(transfer_bench(backend, tokens, reps, secret=secret))
         except Exception as e:  # nixl missing on this host: say so, measure the rest
             print(f"{backend}: not measured ({e})", file=sys.stderr)
             continue

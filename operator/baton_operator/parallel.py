@@ -11,8 +11,6 @@ ModelNotServable, but only once a pod has been scheduled and has loaded):
   args): each rank has a nixl agent of its own, and UCX's TCP port range in the pod
   (builders/common.py UCX_PORT_RANGE, admitted by the NetworkPolicy) holds two listeners each
   for 8 of them;
-- N > 1 with the KV canary's byte checksums (`--kv-canary-bytes partial|all` in the args): they
-  cover one rank's heads;
 - `--tp` in the pool's args: the field says it, and sizes the GPUs, /dev/shm and KV ports;
 - a builtin model (the only one whose shape the operator knows: it reads no checkpoint) that N
   does not split, by the runtime's rule (runtime/models/parallel.py `TensorParallel.check`).
@@ -78,9 +76,6 @@ def check_pool(where: str, tp: int, *, kv_backend: str, args: Sequence[str],
         source = f"{where}.args" if "--kv-transfer" in flags else "spec.kvTransfer.backend"
         raise InvalidSpec(f"{field} with nixl ({source}): a pod's UCX port range holds the "
                           f"agents of {NIXL_MAX_TP} ranks; use the tcp KV transfer")
-    if flags.get("--kv-canary-bytes", "none") != "none":
-        raise InvalidSpec(f"{field} and --kv-canary-bytes in {where}.args: byte checksums "
-                          "cover one rank's heads; drop them (the canary's tags work under TP)")
     shape = BUILTIN_SHAPES.get(model.location) if model.kind == "builtin" else None
     problem = None if shape is None else split_problem(shape, tp)
     if problem is not None:

@@ -23,14 +23,6 @@ class BackendUnavailable(RuntimeError):
     """This backend cannot run with this pool on this machine (the message says why)."""
 
 
-def refuse_fp8_kv(pool: KVPool, backend: str) -> None:
-    """Backends that address the pool's elements directly do not read fp8 pages (yet)."""
-    if pool.scales is not None:
-        raise BackendUnavailable(
-            f"{backend} attention does not read fp8 KV pages (--kv-cache-dtype fp8_e4m3): use "
-            "--attention-backend torch (auto picks it for an fp8 pool)")
-
-
 class AttentionBackend(ABC):
     # True: for a fixed batch size a decode forward keeps every shape and pointer, whatever the
     # sequence lengths, so it can be captured in a CUDA graph (runtime/engine/cuda_graph.py).

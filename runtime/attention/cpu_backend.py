@@ -3,6 +3,10 @@
 Decode is where the torch backend spends its attention time copying every request's pages into a
 padded block before SDPA; csrc/paged_decode.cpp walks each request's slots directly instead
 (native.py builds it). Extend (prefill) is unchanged: one SDPA per request.
+An fp8 pool (--kv-cache-dtype fp8_e4m3) runs the kernel's fp8 twin, which reads each byte through
+a 256-entry table of its value under the layer's scale (made once here, per layer, for K and for
+V): the values KVPool's dequantize gives, so decode attends to what the torch backend does, and
+extend, the torch backend's own, to its fresh K/V rounded as the pool holds them.
 A layer with a sliding window runs the same kernel over the window alone: per request, the row
 table from the window's first position and the window's length (built once per step for each
 window, as the full table is), so the kernel itself knows nothing of windows.
@@ -14,10 +18,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from runtime.attention.base import BackendUnavailable, refuse_fp8_kv
-from runtime.attention.native import load_paged_decode
+from runtime.attention.base import BackendUnavailable
+from runtime.attention.native import load_paged_decode, load_paged_decode_fp8
 from runtime.attention.torch_backend import TorchAttention
 from runtime.forward_batch import ForwardBatch
+from runtime.kvcache.fp8 import FP8, dequantize
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
@@ -32,18 +37,21 @@ class CpuAttention(TorchAttention):
     ) -> None:
         super().__init__(pool, req_to_token, scale, windows)
         self.op = op
+        # an fp8 pool's [256] tables, per layer: (K's, V's)
+        self.luts = [] if pool.scales is None else [
+            (byte_values(k_scale), byte_values(v_scale))
+            for k_scale, v_scale in zip(pool.scales.k, pool.scales.v, strict=True)]
 
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
                windows: Sequence[int | None] = ()) -> CpuAttention:
-        refuse_fp8_kv(pool, "cpu")
-        if pool.device.type != "cpu" or pool.dtype != torch.float32:
+        if pool.device.type != "cpu" or pool.compute_dtype != torch.float32:
             raise BackendUnavailable(
-                f"cpu attention needs a float32 CPU pool, not {pool.dtype} on {pool.device}"
+                f"cpu attention needs a float32 CPU pool, not {pool.compute_dtype} on {pool.device}"
             )
         if pool.head_dim not in HEAD_DIMS:
             raise BackendUnavailable(f"cpu attention: head_dim {pool.head_dim} not in {HEAD_DIMS}")
-        op = load_paged_decode()
+        op = load_paged_decode() if pool.scales is None else load_paged_decode_fp8()
         if op is None:
             raise BackendUnavailable("cpu attention: the native kernel could not be built here")
         return cls(pool, req_to_token, scale, op, windows)
@@ -74,8 +82,17 @@ class CpuAttention(TorchAttention):
         out = torch.empty_like(q)  # [B, H, D]
         k_pages, v_pages = self.pool.pages(layer)
         rows, lens = self.tables[self.window(layer)]
-        self.op(q.contiguous(), k_pages, v_pages, rows, lens, self.scale, out)
+        if self.luts:
+            self.op(q.contiguous(), k_pages, v_pages, rows, lens, self.scale, *self.luts[layer], out)
+        else:
+            self.op(q.contiguous(), k_pages, v_pages, rows, lens, self.scale, out)
         return out.view(b, h * d)
+
+
+def byte_values(scale: float) -> torch.Tensor:
+    """[256] float32: what each float8_e4m3fn byte reads back as under `scale` (its NaN bytes
+    NaN: the pool never stores one, as writes saturate)."""
+    return dequantize(torch.arange(256, dtype=torch.uint8).view(FP8), scale, torch.float32)
 
 
 def window_rows(rows: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

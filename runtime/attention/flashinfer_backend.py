@@ -12,6 +12,11 @@ The new tokens' K/V are written to the pool first, as in the other backends; pre
 over each request's cached prefix and its new tokens.
 
 flashinfer has no float32 kernels: a float32 pool is BackendUnavailable (use triton or bf16).
+An fp8 pool (--kv-cache-dtype fp8_e4m3) flashinfer reads natively: plan() takes the pages'
+dtype (`kv_data_type` float8_e4m3fn, `q_data_type` the model's), run() the layer's scales
+(`k_scale`, `v_scale`: flashinfer folds K's into the softmax scale and multiplies the output by
+V's), as sglang and vLLM pass them. The new tokens are written by KVPool.write, quantized as
+every backend quantizes them.
 Nor is its sliding window (`window_left`, a plan() argument) wired here: a model with
 sliding-window layers (Gemma 3) is BackendUnavailable too (use triton or torch).
 
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-from runtime.attention.base import AttentionBackend, BackendUnavailable, refuse_fp8_kv
+from runtime.attention.base import AttentionBackend, BackendUnavailable
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
@@ -70,7 +75,6 @@ class FlashInferAttention(AttentionBackend):
     @classmethod
     def create(cls, pool: KVPool, req_to_token: ReqToTokenPool, scale: float,
                windows: Sequence[int | None] = ()) -> FlashInferAttention:
-        refuse_fp8_kv(pool, "flashinfer")
         if any(w is not None for w in windows):
             raise BackendUnavailable(
                 "flashinfer attention: sliding-window layers are not wired to flashinfer here: "
@@ -85,16 +89,21 @@ class FlashInferAttention(AttentionBackend):
             ) from None
         if pool.device.type != "cuda":
             raise BackendUnavailable(f"flashinfer attention needs a CUDA pool, not {pool.device}")
-        if pool.dtype not in (torch.float16, torch.bfloat16):
+        if pool.compute_dtype not in (torch.float16, torch.bfloat16):
             raise BackendUnavailable(
-                f"flashinfer attention has no {pool.dtype} kernels: use --dtype bfloat16, or "
-                "--attention-backend triton"
+                f"flashinfer attention has no {pool.compute_dtype} kernels: use --dtype bfloat16, "
+                "or --attention-backend triton"
             )
         return cls(pool, req_to_token, scale, flashinfer)
 
     def __init__(self, pool: KVPool, req_to_token: ReqToTokenPool, scale: float, flashinfer: Any) -> None:
         super().__init__(pool, req_to_token, scale)
         self.flashinfer = flashinfer
+        # what run() takes besides q and the pages, per layer: an fp8 pool's scales
+        scales = pool.scales
+        self.run_args: list[dict[str, float]] = (
+            [{}] * pool.num_layers if scales is None
+            else [{"k_scale": k, "v_scale": v} for k, v in zip(scales.k, scales.v, strict=True)])
         # zeroed: flashinfer asks for a workspace initialised to 0 before its first use
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -156,7 +165,8 @@ class FlashInferAttention(AttentionBackend):
         indices = page_indices(self.req_to_token.table, batch.req_pool_indices, batch.seq_lens_t,
                                pool.page_size, total)
         args = (num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
-        common = {"q_data_type": pool.dtype, "kv_data_type": pool.dtype, "sm_scale": self.scale}
+        common = {"q_data_type": pool.compute_dtype, "kv_data_type": pool.dtype,
+                  "sm_scale": self.scale}
         # NOTE: plan() stages its metadata in one pinned host buffer and copies it asynchronously;
         # the next plan must not overwrite it before that copy ran (the CPU may run a forward
         # ahead in overlap mode), so it waits for the previous plan's event (passed long since,
@@ -181,5 +191,6 @@ class FlashInferAttention(AttentionBackend):
             self.wrapper = self._eager_wrapper(self.batch, q.shape[1])
             self._plan(self.batch, q.shape[1], self.wrapper)
             self.batch = None
-        out = self.wrapper.run(q.contiguous(), self.pool.pages(layer))  # (K, V) strided layer views
+        # (K, V) strided layer views; an fp8 pool's layer scales
+        out = self.wrapper.run(q.contiguous(), self.pool.pages(layer), **self.run_args[layer])
         return out.view(out.shape[0], -1)

@@ -3,10 +3,11 @@
 `load_paged_decode()` builds csrc/paged_decode.cpp with `torch.utils.cpp_extension` (about 5 s
 the first time; ninja and g++ needed) into torch's extensions folder (TORCH_EXTENSIONS_DIR, else
 $XDG_CACHE_HOME/torch_extensions, else ~/.cache/torch_extensions) and returns
-`torch.ops.baton.paged_decode`. The library name carries a hash of the source, the flags,
-torch's version and this CPU's feature flags, so a cached build is never loaded on a CPU it was
-not compiled for (-march=native). Where there is no compiler it returns None, says why once, and
-callers use plain torch.
+`torch.ops.baton.paged_decode`; `load_paged_decode_fp8()` gives its twin over fp8 pages
+(`torch.ops.baton.paged_decode_fp8`, from the same library). The library name carries a hash of
+the source, the flags, torch's version and this CPU's feature flags, so a cached build is never
+loaded on a CPU it was not compiled for (-march=native). Where there is no compiler it returns
+None, says why once, and callers use plain torch.
 
 torch serializes builds with a lock file in the build folder and waits for it without a limit; a
 build that was killed leaves it behind, and every later start would wait for good. A lock older
@@ -91,6 +92,13 @@ def load_paged_decode() -> Callable[..., None] | None:
         done.set()
     log.info("native paged-decode kernel ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.baton.paged_decode  # type: ignore[no-any-return]
+
+
+def load_paged_decode_fp8() -> Callable[..., None] | None:
+    """The paged decode attention op over float8_e4m3fn pages, or None where it cannot be built."""
+    if load_paged_decode() is None:
+        return None
+    return torch.ops.baton.paged_decode_fp8  # type: ignore[no-any-return]
 
 
 def clear_stale_lock(lock: Path, older_than_s: float = STALE_LOCK_S) -> bool:

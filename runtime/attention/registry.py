@@ -3,8 +3,8 @@
 Registered: "torch" (plain torch, any device), "cpu" (torch plus a native decode kernel, float32
 on CPU), "triton" (paged Triton kernels, CUDA; on CPU only under TRITON_INTERPRET=1, for tests),
 "flashinfer" (CUDA, float16/bfloat16). "auto" (the default) picks "cpu" for a CPU pool and
-"triton" for a CUDA pool when each can be used there, else "torch" (for an fp8 pool, which only
-"torch" reads: runtime/kvcache/fp8.py). A factory is "module:callable" taking
+"triton" for a CUDA pool when each can be used there, else "torch". Every backend reads an fp8
+pool (--kv-cache-dtype fp8_e4m3: runtime/kvcache/fp8.py); triton on sm_89 or later. A factory is "module:callable" taking
 (pool, req_to_token, scale, windows), so CUDA-only modules are never imported on the CPU path.
 """
 

@@ -9,6 +9,16 @@ one query head and BLOCK_M of the request's new tokens, causal over prefix + new
 tokens' K/V are written to the pool first, so every key is read from the pool).
 Softmax runs online in float32; with a float32 pool the dot products use IEEE float32 (no TF32),
 so greedy output can be held token-exact against HF in float32.
+An fp8 pool (--kv-cache-dtype fp8_e4m3): the kernels load float8_e4m3fn rows, convert them to
+the model's dtype (exact: every e4m3 value is a bf16, fp16 and float32 value) and apply the
+layer's scales, passed as arguments: K's to the scores (q . k * scale * k_scale), V's to the
+output (each output row is a weighted mean of value rows). e4m3 conversions need sm_89 or later
+(Triton has no fp8e4nv before), so `create` refuses an fp8 pool on an older GPU by name; and
+of a float32 model on CUDA, whose IEEE dot products over converted fp8 rows spill registers on
+sm_90 (tests/attention/test_triton_compile.py; bf16 and fp16 do not). `auto` then takes torch. The
+new tokens are quantized by KVPool's own `quantize` (torch) and copied in by the store kernel:
+Triton's fp8 rounding is not torch's in its interpreter, and the pool must hold the same bytes
+whichever backend wrote them (cached == uncached, PD pages).
 A layer with a sliding window W (SLIDING, a compile-time switch: each kind of layer has its own
 kernel) starts its loop at the first key of its first query's window and hides, per query, the
 keys at or before its position - W. Each query's first key then lies within BLOCK_M - 1 keys of
@@ -26,8 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.attention.base import AttentionBackend, BackendUnavailable, refuse_fp8_kv
+from runtime.attention.base import AttentionBackend, BackendUnavailable
 from runtime.forward_batch import ForwardBatch
+from runtime.kvcache.fp8 import quantize
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.triton_launch import Launch, interpreting, next_pow2
@@ -66,23 +77,24 @@ if triton is not None:
     ):
         """Fold one block of keys (positions n; `sees`: which query row may see which) into the
         online softmax of q's rows: K/V rows are read from the pool through the table (`dmask`:
-        the head's real columns, where its dim is padded to a power of two)."""
+        the head's real columns, where its dim is padded to a power of two), as q's dtype
+        (fp8 rows unscaled: `scale` holds K's, the caller applies V's)."""
         slot = tl.load(Table + row * stride_tr + n, mask=valid, other=0)
         at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kvh * stride_kh
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(K + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k).to(q.dtype), IEEE) * scale  # [rows, keys]
+        k = tl.load(K + at[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), IEEE) * scale  # [rows, keys]
         s = tl.where(sees, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        v = tl.load(V + at[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, IEEE)
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
     def _decode_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, Out, Table, ReqIdx, SeqLens, scale, window,
+        Q, K, V, Out, Table, ReqIdx, SeqLens, scale, k_scale, v_scale, window,
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
         PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
@@ -109,16 +121,16 @@ if triton is not None:
             n = start + tl.arange(0, BLOCK)
             valid = n < seq_len
             m_i, l_i, acc = _attend(
-                q, K, V, Table, row, kvh, n, valid, valid[None, :], d, dmask, m_i, l_i, acc, scale,
-                stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
+                q, K, V, Table, row, kvh, n, valid, valid[None, :], d, dmask, m_i, l_i, acc,
+                scale * k_scale, stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
             )
-        out = acc / l_i[:, None]
+        out = acc * v_scale / l_i[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=rows)
 
     @triton.jit
     def _extend_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale, window,
+        Q, K, V, Out, Table, ReqIdx, QStart, ExtLens, PrefixLens, scale, k_scale, v_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kp, stride_kt, stride_kh, stride_tr,
         PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -155,10 +167,10 @@ if triton is not None:
                     last = prefix + tl.minimum(mq, ext_len - 1)
                     sees = sees & (n[None, :] > last[:, None] - window)
                 m_i, l_i, acc = _attend(
-                    q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc, scale,
-                    stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
+                    q, K, V, Table, row, kvh, n, valid, sees, d, dmask, m_i, l_i, acc,
+                    scale * k_scale, stride_kp, stride_kt, stride_kh, stride_tr, PAGE, IEEE,
                 )
-            out = acc / l_i[:, None]
+            out = acc * v_scale / l_i[:, None]
             tl.store(Out + (q_at + mq)[:, None] * stride_ot + h * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=rows)
 
@@ -181,6 +193,14 @@ def block_d(head_dim: int) -> int:
     """The kernels' head columns: a power of two >= 16 (what tl.dot takes); a head_dim short of
     it (80, 96) is padded, its extra columns masked off (loaded as 0, never stored)."""
     return max(16, next_pow2(head_dim))
+
+
+def _kv_scales(pool: KVPool, layer: int) -> list[float]:
+    """What both kernels take after the score's scale: the layer's K and V scales (1.0 for a
+    pool that stores the model's dtype)."""
+    if pool.scales is None:
+        return [1.0, 1.0]
+    return [pool.scales.k[layer], pool.scales.v[layer]]
 
 
 def _strides(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> list[int]:
@@ -209,9 +229,10 @@ def paged_decode(
     return Launch(
         _decode_kernel,
         (b, pool.num_kv_heads),
-        (q, k, v, out, table, req_idx, seq_lens, scale, window or 0, *_strides(q, out, k, table)),
+        (q, k, v, out, table, req_idx, seq_lens, scale, *_kv_scales(pool, layer), window or 0,
+         *_strides(q, out, k, table)),
         dict(PAGE=pool.page_size, GROUP=group, GROUP_P2=max(16, next_pow2(group)), D=d,
-             BLOCK_D=block_d(d), BLOCK=BLOCK_N, IEEE=pool.dtype == torch.float32,
+             BLOCK_D=block_d(d), BLOCK=BLOCK_N, IEEE=pool.compute_dtype == torch.float32,
              SLIDING=window is not None),
         out,
     )  # fmt: skip
@@ -236,12 +257,12 @@ def paged_extend(
     _, h, d = q.shape
     k, v = pool.pages(layer)
     out = torch.empty_like(q)
-    ieee = pool.dtype == torch.float32
+    ieee = pool.compute_dtype == torch.float32
     return Launch(
         _extend_kernel,
         (len(ext_lens), h, triton.cdiv(max_extend, BLOCK_M)),
-        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale, window or 0,
-         *_strides(q, out, k, table)),
+        (q, k, v, out, table, req_idx, q_start, ext_lens, prefix_lens, scale,
+         *_kv_scales(pool, layer), window or 0, *_strides(q, out, k, table)),
         dict(PAGE=pool.page_size, GROUP=h // pool.num_kv_heads, D=d, BLOCK_D=block_d(d),
              BLOCK_Q=BLOCK_M, BLOCK=BLOCK_N_IEEE if ieee else BLOCK_N, IEEE=ieee,
              SLIDING=window is not None),
@@ -251,13 +272,28 @@ def paged_extend(
 
 def store_kv(pool: KVPool, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Launch:
     """k, v [T, KV heads, D] (each token's heads contiguous) into the pool at `rows`
-    (KVPool.row_offsets of the tokens' slots): what KVPool.write does, in one launch."""
+    (KVPool.row_offsets of the tokens' slots): what KVPool.write does, in one launch (an fp8
+    pool's quantized first, by KVPool's rule)."""
     width = pool.num_kv_heads * pool.head_dim
+    if pool.scales is not None:
+        k, v = quantize(k, pool.scales.k[layer]), quantize(v, pool.scales.v[layer])
     k, v = (x if x.stride(1) == pool.head_dim and x.stride(2) == 1 else x.contiguous() for x in (k, v))
     k_pages, v_pages = pool.pages(layer)
     return Launch(_store_kv_kernel, (rows.shape[0],),
                   (k, v, k_pages, v_pages, rows, k.stride(0), v.stride(0)),
                   dict(W=width, BLOCK=next_pow2(width)), None)
+
+
+def refuse_fp8_kv(pool: KVPool) -> None:
+    """The fp8 pools of a CUDA device these kernels do not read (the module's docstring)."""
+    if torch.cuda.get_device_capability(pool.device) < (8, 9):
+        raise BackendUnavailable(
+            "triton attention reads fp8 KV pages (--kv-cache-dtype fp8_e4m3) on sm_89 or later "
+            "(Triton has no e4m3 conversion before): use --attention-backend torch")
+    if pool.compute_dtype == torch.float32:
+        raise BackendUnavailable(
+            "triton attention reads fp8 KV pages for a bfloat16 or float16 model, not float32 "
+            "(its kernels spill registers): use --dtype bfloat16 or --attention-backend torch")
 
 
 class TritonAttention(AttentionBackend):
@@ -270,7 +306,8 @@ class TritonAttention(AttentionBackend):
             raise BackendUnavailable(
                 "triton attention: the triton package is not installed (pip install 'baton[cuda]')"
             )
-        refuse_fp8_kv(pool, "triton")
+        if pool.scales is not None and pool.device.type == "cuda":
+            refuse_fp8_kv(pool)
         if pool.device.type != "cuda" and not interpreting():
             raise BackendUnavailable(
                 f"triton attention needs a CUDA pool, not {pool.device} "

@@ -8,10 +8,15 @@ decode's own prompt (the prefill computed this request's tokens, in this order),
 that landed must have the checksums that left; then the tags and checksums become the decode's
 own, so its later checks cover the prompt slots too. A KVLayout mismatch at pairing keeps a
 side with the canary from pairing with one without.
+
+Under tensor parallelism on either side (ranks.py) the checksums that travel are whole-model
+sums, the ranks' partials added up, so they compare whatever the TP of each side; every rank's
+landed bytes are checked, and every rank adopts the tags and its own partial sums.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,6 +24,7 @@ import torch
 from runtime.canary.chain import ReqChain
 from runtime.canary.guard import CanaryGuard
 from runtime.canary.monitor import CanaryMonitor
+from runtime.canary.ranks import CanaryRanks, Followers
 
 
 def slots_of(pages: list[int], n: int, page_size: int) -> torch.Tensor:
@@ -28,22 +34,26 @@ def slots_of(pages: list[int], n: int, page_size: int) -> torch.Tensor:
 
 
 class HandoffCanary:
-    def __init__(self, guard: CanaryGuard, monitor: CanaryMonitor, page_size: int) -> None:
+    def __init__(self, guard: CanaryGuard, monitor: CanaryMonitor, page_size: int,
+                 followers: Followers | None = None) -> None:
+        """`guard`: rank 0's; `followers`: under TP, rank 0's line to the other ranks."""
         self.guard, self.monitor, self.page_size = guard, monitor, page_size
+        self.ranks = CanaryRanks(guard, followers)
 
     def outgoing(self, rid: str, pages: list[int], n: int) -> tuple[list[int], list[int] | None,
                                                                     Callable[[], None] | None]:
         """(tags, checksums or None) of the first n slots, and the undo of a fault injected
         into the pages about to be sent (None: none)."""
         tags = self.guard.tags
-        slots = slots_of(pages, n, self.page_size).to(tags.tags.device)
-        sums = tags.slot_sums[slots].tolist() if tags.slot_sums is not None else None
-        out = tags.tags[slots].tolist()
+        slots = slots_of(pages, n, self.page_size)
+        sums = self.ranks.sent_sums(slots).tolist() if tags.sums is not None else None
+        out = tags.tags[slots.to(tags.tags.device)].tolist()
         undo = None
-        if self.guard.perturber is not None:
-            undo = self.guard.perturber.before_send(pages[-1:])
-            if undo is not None:
-                self.monitor.record_injection(rid, "kv_before_send")
+        strike = self.guard.perturber.before_send(pages[-1:]) if self.guard.perturber else None
+        if strike is not None:
+            self.ranks.flip(*strike)
+            self.monitor.record_injection(rid, "kv_before_send")
+            undo = functools.partial(self.ranks.flip, *strike)  # a second flip undoes it
         return out, sums, undo
 
     def arrival_problem(self, rid: str, prompt: list[int], pages: list[int],
@@ -51,18 +61,16 @@ class HandoffCanary:
         """None if the prompt KV that landed in `pages` is this request's (then it is tagged);
         else why not, counted as a violation."""
         st = self.guard.tags
-        slots = slots_of(pages, len(prompt), self.page_size).to(st.tags.device)
+        slots = slots_of(pages, len(prompt), self.page_size)
         want = ReqChain().cover(prompt, [])
-        problem = None
+        problem, own_sums = None, None
         if tags is None or (torch.tensor(tags, dtype=torch.int64) != want).any():
             problem = "tag", "the prompt KV that arrived was computed from other tokens"
-        elif st.sums is not None and st.slot_sums is not None:
-            landed = st.sums.of(slots)
-            if sums is None or bool((landed != torch.tensor(sums, device=landed.device)).any()):
+        elif st.sums is not None:
+            ok, own_sums = self.ranks.landed_matches(slots, sums)
+            if not ok:
                 problem = "bytes", "prompt KV bytes changed in transfer"
-            else:
-                st.slot_sums[slots] = landed
         if problem is not None:
             return self.monitor.violation(rid, *problem)
-        st.tags[slots] = want.to(st.tags.device)
+        self.ranks.keep(slots, want, own_sums)
         return None

@@ -15,28 +15,55 @@ ForwardBatch.canary), once the first `warmup_steps` forwards are past:
 Every injection is returned as (row, kind) so the scheduler can record which request it hit;
 tests assert that injected == caught. A row injected in one forward is left alone in the next:
 the scheduler may have ended its request and handed its table row to another meanwhile.
+
+Under tensor parallelism every rank runs a Perturber, seeded alike, and draws in lockstep (the
+same forwards, tables and tags): each rank repoints its own table and swaps its own sampled
+tokens alike, and a KV strike is drawn on every rank but lands on one, its pool's copy: the
+n-th kv_after_forward (from 0) on rank (n + 1) mod tp, so the first strikes a follower and
+each rank is struck in turn. kv_before_send is rank 0's alone (the prefill role calls it, with
+a generator of its own, so the lockstep draws stay alike): it names the rank to strike, the
+n-th on the (n + 1)-th mod k of the k ranks whose pages are sent (HeadSplit.counted), and
+runtime/canary/ranks.py flips the element there.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from runtime.canary.kvsum import HeadSplit
 from runtime.canary.perturb_kinds import parse_perturb
 from runtime.canary.slots import SlotTags
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
 
+Element = tuple[int, int, int, int, int, int]  # an index into KVPool.buffer
+Strike = tuple[int, Element]  # the rank whose pool is struck, and where
+
+
+def flip(buffer: torch.Tensor, element: Element) -> None:
+    """Flip the sign bit of one element of a KV pool's buffer (a second flip undoes it)."""
+    x = buffer[element]
+    if x.element_size() == 1:  # fp8 has no neg_ on the CPU: flip its sign bit
+        x.view(torch.uint8).bitwise_xor_(0x80)
+    else:
+        x.neg_()
+
 
 class Perturber:
     def __init__(self, spec: str, seed: int, warmup_steps: int, tags: SlotTags,
-                 pool: KVPool | None, vocab_size: int) -> None:
+                 pool: KVPool | None, vocab_size: int, split: HeadSplit | None = None) -> None:
+        """`split`: the TP ranks and this one (None: one rank)."""
         self.probs, self.warmup = parse_perturb(spec), warmup_steps
         self.rng = random.Random(seed)
+        self.send_rng = random.Random(seed)  # before_send's, drawn on rank 0 only
         self.tags, self.pool, self.vocab = tags, pool, vocab_size
+        self.rank, self.size = (split.rank, split.size) if split is not None else (0, 1)
+        self.senders = split.counted if split is not None else [0]
         self.steps = 0
+        self.strikes = self.sent = 0  # KV strikes so far, after forwards and before sends
         self.recent: set[int] = set()  # table rows injected in the previous forward
 
     def after_write(self, batch: ForwardBatch, next_ids: torch.Tensor) -> list[tuple[int, str]]:
@@ -63,7 +90,10 @@ class Perturber:
     def _inject(self, kind: str, batch: ForwardBatch, row: int, next_ids: torch.Tensor) -> bool:
         if kind == "kv_after_forward":
             slot = int(batch.out_cache_loc[sum(batch.extend_lens[: row + 1]) - 1])  # its newest
-            self._negate_one(slot // self._page_size(), slot % self._page_size())
+            element = self._pick(self.rng, slot // self._page_size(), slot % self._page_size())
+            self.strikes += 1  # the n-th strike (from 0) lands on rank (n + 1) mod tp
+            if self.strikes % self.size == self.rank:
+                flip(self.buffer, element)
             return True
         if kind == "req_to_token":
             return self._repoint(batch, row)
@@ -78,23 +108,19 @@ class Perturber:
         assert self.pool is not None, "KV perturbations need the KV pool"
         return self.pool.page_size
 
-    def _negate_one(self, page: int, slot_in_page: int | None = None) -> Callable[[], None]:
-        """Flip the sign bit of one element of `page` (a slot of it, or any); returns the undo
-        (flipping it back)."""
-        assert self.pool is not None
-        pool, r = self.pool, self.rng
-        off = r.randrange(pool.page_size) if slot_in_page is None else slot_in_page
-        element = pool.buffer[page, r.randrange(pool.num_layers), r.randrange(2), off,
-                              r.randrange(pool.num_kv_heads), r.randrange(pool.head_dim)]
-        if element.element_size() == 1:  # fp8 has no neg_ on the CPU: flip its sign bit
-            element = element.view(torch.uint8)
-            element.bitwise_xor_(0x80)
-            return lambda: element.bitwise_xor_(0x80)  # type: ignore[return-value]
-        element.neg_()
+    @property
+    def buffer(self) -> torch.Tensor:
+        """This rank's KV pool, where its KV strikes land."""
+        assert self.pool is not None, "KV perturbations need the KV pool"
+        return self.pool.buffer
 
-        def undo() -> None:
-            element.neg_()
-        return undo
+    def _pick(self, rng: random.Random, page: int, slot_in_page: int | None = None) -> Element:
+        """One element of `page` (of a slot of it, or any) of this rank's pool, drawn."""
+        assert self.pool is not None
+        pool = self.pool
+        off = rng.randrange(pool.page_size) if slot_in_page is None else slot_in_page
+        return (page, rng.randrange(pool.num_layers), rng.randrange(2), off,
+                rng.randrange(pool.num_kv_heads), rng.randrange(pool.head_dim))
 
     def _repoint(self, batch: ForwardBatch, row: int) -> bool:
         table, tags = self.tags.table, self.tags.tags
@@ -120,11 +146,14 @@ class Perturber:
         table[r, :n] = table[o, :n]
         return True
 
-    def before_send(self, pages: list[int]) -> Callable[[], None] | None:
+    def before_send(self, pages: list[int]) -> Strike | None:
         """PD prefill: maybe corrupt one of the pages about to be sent to a decode server (the
-        prompt's slots only); returns the undo, for once they are sent: the prefix cache may
-        keep the page. None: nothing injected."""
+        prompt's slots only): which rank's element to flip (None: nothing injected). The
+        caller flips it, and flips it back once the pages are sent: the prefix cache may keep
+        the page."""
         p = self.probs.get("kv_before_send", 0.0)
-        if not pages or p == 0.0 or self.rng.random() >= p:
+        if not pages or p == 0.0 or self.send_rng.random() >= p:
             return None
-        return self._negate_one(self.rng.choice(pages), 0)
+        element = self._pick(self.send_rng, self.send_rng.choice(pages), 0)
+        self.sent += 1  # the n-th (from 0) on the (n + 1)-th sending rank
+        return self.senders[self.sent % len(self.senders)], element

@@ -11,6 +11,10 @@ the tag the scheduler expects from the request's own tokens (ForwardBatch.canary
 slot's bytes with its checksum. Decode steps whose sampler is the token oracle also check that
 each input token is the oracle's for its position. Violations come back per row and kind
 (ForwardOutput.canary_violations); the scheduler decides what they mean.
+
+Under tensor parallelism every rank keeps its own SlotTags over its own pool (its KV heads):
+the tags alike on every rank (the same forwards, the same table), the sums its partial ones
+(kvsum.py); each rank checks its own, and the guard joins the ranks' violations.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from runtime.canary.chain import segmented_chain
-from runtime.canary.kvsum import BytesMode, SlotSums
+from runtime.canary.kvsum import BytesMode, HeadSplit, SlotSums
 from runtime.canary.oracle import identities, oracle_tokens
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.pool import KVPool
@@ -28,16 +32,18 @@ VIOLATION_KINDS = ("tag", "bytes", "token")  # columns of canary_violations
 
 class SlotTags:
     def __init__(self, num_slots: int, table: torch.Tensor, pool: KVPool | None = None,
-                 bytes_mode: BytesMode = "none", oracle_vocab: int | None = None) -> None:
-        """`table`: the req->token table attention reads; `pool`: for byte checksums;
-        `oracle_vocab`: the vocabulary of a token-oracle sampler (None: no token check)."""
+                 bytes_mode: BytesMode = "none", oracle_vocab: int | None = None,
+                 split: HeadSplit | None = None) -> None:
+        """`table`: the req->token table attention reads; `pool`: for byte checksums, of the
+        KV heads `split` says (None: all); `oracle_vocab`: the vocabulary of a token-oracle
+        sampler (None: no token check)."""
         self.table = table
         self.tags = torch.zeros(num_slots, dtype=torch.int64, device=table.device)
         self.sums: SlotSums | None = None
         self.slot_sums: torch.Tensor | None = None
         if bytes_mode != "none":
             assert pool is not None, "byte checksums need the KV pool"
-            self.sums = SlotSums(pool, bytes_mode)
+            self.sums = SlotSums(pool, bytes_mode, split)
             self.slot_sums = torch.zeros_like(self.tags)
         self.oracle_vocab = oracle_vocab
 

@@ -74,7 +74,7 @@ def open_plane(args: ServerArgs, pool: KVPool, wake: Callable[[], None],
     tp = args.engine.tp if ranks is not None else 1
     layout, handoff = replace(layout_of(pool, tp, kv_heads), revision=args.revision or ""), None
     if canary is not None and monitor is not None:
-        handoff = HandoffCanary(canary, monitor, pool.page_size)
+        handoff = HandoffCanary(canary, monitor, pool.page_size, ranks)
         layout = replace(layout, canary_tags=True, canary_bytes=args.canary.kv_canary_bytes)
     if ranks is None:
         transfer = create_transfer(args.disagg.kv_transfer, pool, name, WriteFence(wake), layout)

@@ -17,6 +17,7 @@ import torch
 
 from runtime.attention.registry import create_attention_backend
 from runtime.canary.guard import build_guard
+from runtime.canary.kvsum import HeadSplit
 from runtime.config import CanaryConfig, EngineConfig
 from runtime.device import bind_thread, serving_device
 from runtime.engine.cuda_graph import DecodeGraphs, Graph
@@ -96,8 +97,11 @@ class ModelRunner:
         self.needs_request_ids = self.sampler.needs_request_ids
         self.penalties = PenaltyState(max_running_requests, mc.vocab_size, self.device)
         self.eos_token_ids = _eos_token_ids(self.model_path, mc)
+        # under TP every rank checks its own KV heads; the ranks join their violations
         self.canary = build_guard(canary, self.kv.req_to_token.table, self.pool, self.pool.num_slots,
-                                  mc.vocab_size, isinstance(self.sampler, TokenOracleSampler))
+                                  mc.vocab_size, isinstance(self.sampler, TokenOracleSampler),
+                                  HeadSplit(tp.kv_split(mc), tp.rank),
+                                  tp.all_max if tp.size > 1 else None)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if not tp.graph_safe:

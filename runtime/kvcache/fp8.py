@@ -12,6 +12,10 @@ stays off by default. A layer's scale
 never changes while serving, so a page means the same values wherever it is copied to, provided
 both sides hold the same scales: the KV layout carries their digest (`KVScales.digest`) and
 servers with different scales do not pair.
+Every attention backend reads fp8 pages (runtime/attention/): torch through `dequantize`, cpu's
+native kernel through a table of each byte's value under the scale (the same values), triton's
+kernels and flashinfer with the layer's scales as arguments. Whoever writes, `quantize` is the
+one rule, so a page's bytes do not depend on the backend.
 """
 
 from __future__ import annotations

@@ -71,6 +71,10 @@ class TensorParallel:
         head = self.rank * kv // self.size
         return head, head + 1
 
+    def kv_split(self, config: ModelConfig) -> tuple[tuple[int, int], ...]:
+        """Every rank's KV heads, in rank order (the KV canary sums a slot over them)."""
+        return tuple(TensorParallel(r, self.size).kv_heads(config) for r in range(self.size))
+
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """This rank's rows of the embedding and lm_head: ceil(V / size) each, the last fewer."""
         share = -(-vocab_size // self.size)
@@ -94,6 +98,14 @@ class TensorParallel:
             import torch.distributed as dist
 
             dist.all_reduce(x)
+        return x
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The largest of every rank's x, elementwise (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ decides anything: there is nothing for the ranks to disagree on.
 
 Beside the forwards, rank 0 and each follower share a socket (`Calls`): rank 0 calls its
 followers' KV planes on it (a prefill or decode server's ranks each move their own heads' KV:
-runtime/disagg/ranks_plane.py), and a follower tells rank 0 of its KV events on it. A thread on
+runtime/disagg/ranks_plane.py; the KV canary's checksums and fault injection:
+runtime/canary/ranks.py), and a follower tells rank 0 of its KV events on it. A thread on
 each side serves it, so a KV call never waits behind a forward.
 
 Failure is bounded: a rank that hangs makes the next collective time out (`--tp-timeout-s`);
@@ -69,7 +70,7 @@ def start_model(config: EngineConfig, max_running_requests: int, prefix_cache: b
         return ModelRunner(config, max_running_requests, prefix_cache, canary), None
     check_architecture(resolve_model_path(config.model), config.tp)
     ranks = Ranks(config, max_running_requests, config.tp, _free_port(), config.tp_timeout_s,
-                  on_death)
+                  on_death, canary)
     try:
         runner = ModelRunner(config, max_running_requests, prefix_cache, canary)
         ranks.wait_ready(config.tp_timeout_s)
@@ -154,11 +155,12 @@ class Ranks:
     """Rank 0's side: the followers it started, the batches it sends them, the KV calls."""
 
     def __init__(self, config: EngineConfig, max_running_requests: int, size: int, port: int,
-                 timeout_s: float, on_death: Callable[[str], None] | None = None) -> None:
+                 timeout_s: float, on_death: Callable[[str], None] | None = None,
+                 canary: CanaryConfig | None = None) -> None:
         """Start followers 1..size-1 and join them (rank 0) in the group on `port`
         (`wait_ready` then waits for their parts to load). `on_death(message)`: what a
         follower's death does to rank 0, from the moment it starts (None: log it; the next
-        collective then fails)."""
+        collective then fails). `canary`: the KV canary, which every rank runs on its own KV."""
         self.size, self.timeout_s, self.closing = size, timeout_s, False
         self.procs: list[subprocess.Popen[bytes]] = []
         self.calls: list[Calls] = []
@@ -167,7 +169,7 @@ class Ranks:
         self.lock = threading.Lock()
         # what a follower's KV event does here (runtime/disagg/ranks_plane.py sets it)
         self.on_event: Callable[[int, str, tuple[Any, ...]], None] = lambda *_: None
-        start = (config, max_running_requests, size, port, timeout_s, os.getpid())
+        start = (config, max_running_requests, canary, size, port, timeout_s, os.getpid())
         try:
             for rank in range(1, size):
                 mine, theirs = socket.socketpair()
@@ -344,7 +346,7 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
     from runtime.lifecycle import die_with_parent
 
     try:
-        rank, config, max_running, size, port, timeout_s, parent, calls_fd = _read(inbox)
+        rank, config, max_running, canary, size, port, timeout_s, parent, calls_fd = _read(inbox)
     except EOFError:  # rank 0 went before it said who this is
         return 1
     calls = Calls(socket.socket(fileno=calls_fd), timeout_s)
@@ -354,7 +356,7 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
     try:
         join_group(rank, size, port, config.device, timeout_s)
-        model = ModelRunner(config, max_running, prefix_cache=False, rank=rank)
+        model = ModelRunner(config, max_running, prefix_cache=False, canary=canary, rank=rank)
         runner: Runner = model
         future_map = FutureMap(max_running, runner.device)
     except Exception as e:  # logged, and reported to rank 0, which names it
@@ -364,7 +366,7 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
         return 1
     status.write(f"{READY}\n".encode())
     status.flush()
-    threading.Thread(target=_serve_calls, args=(calls, model.pool, rank), daemon=True,
+    threading.Thread(target=_serve_calls, args=(calls, model, rank), daemon=True,
                      name="tp-calls").start()
     try:
         while True:
@@ -382,14 +384,17 @@ def follow(inbox: IO[bytes], status: IO[bytes]) -> int:
         leave_group()
 
 
-def _serve_calls(calls: Calls, pool: Any, rank: int) -> None:
-    """A follower's KV calls from rank 0: the fence's (expect, revoke, discard) answered in
-    order on this thread, writes of its shares on the plane's writer threads (they wait on the
-    network)."""
+def _serve_calls(calls: Calls, model: ModelRunner, rank: int) -> None:
+    """A follower's KV calls from rank 0: the fence's (expect, revoke, discard) and the KV
+    canary's (runtime/canary/ranks.py) answered in order on this thread, writes of its shares
+    on the plane's writer threads (they wait on the network)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from runtime.canary.ranks import RankCanary, serve
     from runtime.disagg.ranks_plane import FollowerPlane
 
+    pool = model.pool
+    canary = RankCanary(model.canary) if model.canary is not None else None
     plane: FollowerPlane | None = None
     writers = ThreadPoolExecutor(2, thread_name_prefix="kv-share")
 
@@ -403,6 +408,8 @@ def _serve_calls(calls: Calls, pool: Any, rank: int) -> None:
             if op == "open":
                 plane = FollowerPlane.open(pool, rank, event, *args)
                 value = plane.reached
+            elif op.startswith("canary."):
+                value = serve(canary, op, args)
             else:
                 assert plane is not None, "the KV plane is not open"
                 value = getattr(plane, op)(*args)

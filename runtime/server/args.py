@@ -115,13 +115,6 @@ def _check_quantization(kind: str, device: str) -> list[str]:
     return []
 
 
-def _check_kv_cache_dtype(kind: str, attention: str) -> list[str]:
-    if kind == "fp8_e4m3" and attention not in ("auto", "torch"):
-        return [f"--kv-cache-dtype fp8_e4m3: --attention-backend {attention} does not read fp8 KV "
-                "pages; use --attention-backend torch (auto picks it)"]
-    return []
-
-
 def _check(args: ServerArgs) -> list[str]:
     problems = []
     for obj, names in (
@@ -141,14 +134,8 @@ def _check(args: ServerArgs) -> list[str]:
         problems.append("--mem-fraction-static sizes the KV pool from GPU memory: it needs --device cuda "
                         "(on the CPU, --max-total-tokens sets the pool)")
     problems += _check_quantization(args.engine.quantization, args.engine.device)
-    problems += _check_kv_cache_dtype(args.engine.kv_cache_dtype, args.engine.attention_backend)
     if args.engine.tp_timeout_s <= 0:
         problems.append("--tp-timeout-s must be > 0")
-    if args.engine.tp > 1 and args.role != "colocated" and args.canary.kv_canary_bytes != "none":
-        problems.append(f"--kv-canary-bytes {args.canary.kv_canary_bytes} with --tp "
-                        f"{args.engine.tp} and --role {args.role}: the byte checksums cover one "
-                        "rank's KV heads; per-rank checksums are not built yet (the canary's "
-                        "tags work)")
     if args.request_timeout_s <= 0 or args.shutdown_grace_s < 0 or args.stall_timeout_s <= 0:
         problems.append("--request-timeout-s and --stall-timeout-s must be > 0 and "
                         "--shutdown-grace-s >= 0")

@@ -6,8 +6,10 @@ What it keeps of flashinfer's contract (flashinfer 0.7, decode.py / prefill.py) 
 relies on:
 - plan(indptr, indices, last_page_len, ...) takes int32 page tables, `last_page_len` in 1..page
   size; the prefill plan takes qo_indptr first and `causal`; q must be the planned q_data_type.
-- run(q, (k_cache, v_cache)) reads NHD caches [num_pages, page_size, kv_heads, head_dim] (any
-  strides) and returns [rows, heads, head_dim]; causal rows align to the end of the sequence.
+- run(q, (k_cache, v_cache), k_scale=, v_scale=) reads NHD caches [num_pages, page_size,
+  kv_heads, head_dim] (any strides) of the planned kv_data_type (an fp8 pool's float8_e4m3fn:
+  each value times k_scale or v_scale, 1.0 when not given) and returns [rows, heads, head_dim];
+  causal rows align to the end of the sequence.
 - In CUDA-graph mode the batch size is fixed by the buffers given to the constructor, plan()
   copies the table into them (ValueError on another batch size or too many pages), and run()
   reads them: a replayed kernel sees whatever the last plan wrote there, nothing else.
@@ -86,8 +88,10 @@ class _Paged:
         self.causal, self.q_dtype, self.kv_dtype, self.scale = causal, q_data_type, kv_data_type, sm_scale
         self.plans += 1
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
         k_cache, v_cache = paged_kv_cache
+        k_scale, v_scale = (1.0 if s is None else s for s in (k_scale, v_scale))
         heads, kv_heads, head_dim, page_size = self.shape
         assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
         assert q.shape[1:] == (heads, head_dim) and k_cache.shape[1:] == (page_size, kv_heads, head_dim)
@@ -96,8 +100,8 @@ class _Paged:
         for b in range(len(last)):
             pages = indices[indptr[b] : indptr[b + 1]]
             n = (len(pages) - 1) * page_size + last[b]
-            k = k_cache[pages].reshape(-1, kv_heads, head_dim)[:n]  # [n, KVH, D]
-            v = v_cache[pages].reshape(-1, kv_heads, head_dim)[:n]
+            k = k_cache[pages].reshape(-1, kv_heads, head_dim)[:n].double() * k_scale  # [n, KVH, D]
+            v = v_cache[pages].reshape(-1, kv_heads, head_dim)[:n].double() * v_scale
             rows = q[qo[b] : qo[b + 1]]
             # causal: row i sees keys up to n - len(rows) + i; else every key
             pos = n - len(rows) + torch.arange(len(rows)) if self.causal else torch.full((len(rows),), n - 1)

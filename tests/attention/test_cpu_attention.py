@@ -1,7 +1,8 @@
 """The native CPU decode kernel (backend "cpu") against plain torch attention (backend "torch").
 
 Both run through the AttentionBackend interface on a real paged pool whose pages are handed out
-in shuffled order, so each request's slots are scattered the way they are after churn.
+in shuffled order, so each request's slots are scattered the way they are after churn; float32
+pages, and fp8 pages (--kv-cache-dtype fp8_e4m3) under a different scale in every layer.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from runtime.attention.registry import create_attention_backend
 from runtime.attention.torch_backend import TorchAttention
 from runtime.forward_batch import ForwardBatch
 from runtime.kvcache.allocator import PageAllocator
+from runtime.kvcache.fp8 import KVScales
 from runtime.kvcache.manager import KVCacheManager, KVSlots
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 
 LAYER = 1  # a middle layer of a 3-layer pool: pages are strided past the other layers
+# an fp8 pool's: K and V apart, and each layer its own (a kernel reading another's is off)
+FP8_SCALES = KVScales((0.5, 3.0, 0.25), (2.0, 0.125, 4.0), "test")
 
 
 @dataclass
@@ -31,13 +35,15 @@ class Holder:  # what KVCacheManager needs of a request
 
 
 def decode_setup(
-    seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, page_size: int = 4, seed: int = 0
+    seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, page_size: int = 4, seed: int = 0,
+    scales: KVScales | None = None,
 ) -> tuple[KVPool, ReqToTokenPool, ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A pool filled with random K/V, requests of `seq_lens` on shuffled pages, one decode batch."""
+    """A pool filled with random K/V (fp8 bytes under `scales`, if given), requests of
+    `seq_lens` on shuffled pages, one decode batch."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, torch.float32)
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g))
+    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, torch.float32, scales=scales)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(pool.dtype))
     allocator = PageAllocator(num_pages, page_size)
     everything = allocator.alloc(num_pages)  # hand all pages back in random order: scattered
     allocator.free([everything[i] for i in torch.randperm(num_pages, generator=g).tolist()])
@@ -90,6 +96,26 @@ def test_native_decode_equals_torch(heads: int, kv_heads: int, head_dim: int) ->
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (8, 2, 128), (4, 1, 32), (32, 1, 64)],
+    ids=["smollm2-gqa3", "gqa4-d128", "mqa-d32", "gqa32-torch-fallback"],
+)
+def test_native_decode_of_fp8_pages_equals_torch_and_float64(heads: int, kv_heads: int,
+                                                             head_dim: int) -> None:
+    """fp8 pages read through the layer's scales: the torch backend's output on the same pool
+    (and the new token written through fp8, as the pool stores it), both at float64's."""
+    seq_lens = [1, 4, 5, 33, 130]
+    pool, table, batch, q, k, v = decode_setup(seq_lens, heads, kv_heads, head_dim,
+                                               scales=FP8_SCALES)
+    want = run("torch", pool, table, batch, q, k, v)
+    got = run("cpu", pool, table, batch, q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    k8, v8 = pool.as_stored(LAYER, k, v)  # the new token as the pool holds it
+    torch.testing.assert_close(got.double(), reference64(pool, table, batch, q, k8, v8),
+                               atol=2e-6, rtol=1e-5)
+
+
 def reference64(pool: KVPool, table: ReqToTokenPool, batch: ForwardBatch, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Decode attention in float64, request by request, straight from the definition (over the
@@ -137,9 +163,10 @@ def test_a_sliding_window_decodes_as_float64_in_both_backends(window: int) -> No
     assert (attn.window(0), attn.window(LAYER), attn.window(7)) == (None, window, None)
 
 
-def test_native_decode_reads_only_its_own_slots() -> None:
+@pytest.mark.parametrize("scales", [None, FP8_SCALES], ids=["float32", "fp8"])
+def test_native_decode_reads_only_its_own_slots(scales: KVScales | None) -> None:
     """Poison every slot past each request's length: the output must not move."""
-    pool, table, batch, q, k, v = decode_setup([3, 17, 40], 9, 3, 64)
+    pool, table, batch, q, k, v = decode_setup([3, 17, 40], 9, 3, 64, scales=scales)
     before = run("cpu", pool, table, batch, q, k, v)
     used = torch.cat([table.table[i, :n] for i, n in enumerate(batch.seq_lens)])
     unused = torch.ones(pool.num_slots, dtype=torch.bool)
@@ -172,9 +199,11 @@ def test_kernel_rejects_bad_input_instead_of_reading_out_of_bounds() -> None:
         attn.op(q, k_pages.transpose(1, 2), v_pages.transpose(1, 2), attn.row_table, lens, 0.125, out)
 
 
-def test_auto_picks_the_native_kernel_on_cpu_float32() -> None:
-    """g++ is on every machine this project runs its suite on: the fast path must really build."""
-    pool, table, *_ = decode_setup([4], 9, 3, 64)
+@pytest.mark.parametrize("scales", [None, FP8_SCALES], ids=["float32", "fp8"])
+def test_auto_picks_the_native_kernel_on_cpu_float32(scales: KVScales | None) -> None:
+    """g++ is on every machine this project runs its suite on: the fast path must really build,
+    for float32 pages and fp8 ones."""
+    pool, table, *_ = decode_setup([4], 9, 3, 64, scales=scales)
     assert isinstance(create_attention_backend("auto", pool, table, 0.125), CpuAttention)
 
 

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from runtime.attention.triton_backend import paged_decode, paged_extend, store_kv
+from runtime.kvcache.fp8 import KVScales
 from runtime.kvcache.pool import KVPool
 from tests.attention.reference import causal_attention
 
@@ -25,14 +26,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # ||out-ref||/||ref||
 
 
+# an fp8 pool's (--kv-cache-dtype fp8_e4m3): K and V apart, each layer its own
+FP8_SCALES = KVScales((0.5, 3.0, 0.25), (2.0, 0.125, 4.0), "test")
+
+
 def setup(dtype: torch.dtype, lens: list[int], page_size: int, heads: int = 9,
-          kv_heads: int = 3, head_dim: int = 32) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
-    """A 3-layer pool of random K/V and a req->token table whose rows (requests 2, 0, 3, ...:
-    not in batch order) hold scattered slots; every slot no row holds is NaN."""
+          kv_heads: int = 3, head_dim: int = 32,
+          scales: KVScales | None = None) -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+    """A 3-layer pool of random K/V (fp8 under `scales`, if given) and a req->token table whose
+    rows (requests 2, 0, 3, ...: not in batch order) hold scattered slots; every slot no row
+    holds is NaN."""
     gen = torch.Generator().manual_seed(sum(lens) + page_size)
     num_pages = sum(-(-n // page_size) for n in lens) + 7
-    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, dtype, DEVICE)
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
+    pool = KVPool(3, num_pages, page_size, kv_heads, head_dim, dtype, DEVICE, scales)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(pool.dtype))
     table = torch.zeros((len(lens) + 2, max(lens) + 5), dtype=torch.int64)
     pages = torch.randperm(num_pages, generator=gen).tolist()
     rows = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]
@@ -69,16 +76,18 @@ DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if DEVICE == "cuda" e
 STORE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # a copy: no arithmetic to get wrong
 
 
-@pytest.mark.parametrize("dtype", STORE_DTYPES)
+@pytest.mark.parametrize(("dtype", "scales"), [*((d, None) for d in STORE_DTYPES),
+                                                (torch.float32, FP8_SCALES)])
 @pytest.mark.parametrize(("page_size", "kv_heads", "head_dim"), [(1, 3, 32), (16, 2, 24), (4, 8, 64)])
-def test_store_kv_writes_what_pool_write_writes(dtype: torch.dtype, page_size: int, kv_heads: int,
-                                               head_dim: int) -> None:
+def test_store_kv_writes_what_pool_write_writes(dtype: torch.dtype, scales: KVScales | None,
+                                               page_size: int, kv_heads: int, head_dim: int) -> None:
     """k and v as the model hands them over (views into one qkv row per token), at scattered
-    slots of one layer: the pool afterwards is byte for byte KVPool.write's, other layers untouched."""
+    slots of one layer: the pool afterwards is byte for byte KVPool.write's, other layers
+    untouched; an fp8 pool's bytes quantized under that layer's scales."""
     gen = torch.Generator().manual_seed(page_size + head_dim)
-    pools = [KVPool(3, 9, page_size, kv_heads, head_dim, dtype, DEVICE) for _ in range(2)]
+    pools = [KVPool(3, 9, page_size, kv_heads, head_dim, dtype, DEVICE, scales) for _ in range(2)]
     for pool in pools:
-        pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
+        pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(pool.dtype))
     pools[1].buffer.copy_(pools[0].buffer)
     slots = torch.randperm(9 * page_size, generator=gen)[:7].to(DEVICE)
     width = kv_heads * head_dim
@@ -130,6 +139,33 @@ def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int, head_d
         pos = torch.arange(prefix, prefix + n, device=DEVICE)
         ref = reference(pool, 2, q[starts[i] : starts[i] + n], slots, pos, 0.2)
         close(out[starts[i] : starts[i] + n], ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_pages_decode_and_extend_as_float64_of_what_the_pool_reads(dtype: torch.dtype) -> None:
+    """fp8 pages under a K and a V scale of their own in each layer: both kernels attend to the
+    values KVPool.read gives back (float64 over them is the reference): extend in layer 1,
+    decode in layer 2."""
+    pairs = [(0, 20), (37, 5), (3, 40)]  # (prefix, new tokens): fresh, cached prefix, > BLOCK_M
+    lens = [p + n for p, n in pairs]
+    pool, table, rows = setup(dtype, lens, 4, scales=FP8_SCALES)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(n for _, n in pairs), 9, 32, generator=gen).to(dtype).to(DEVICE)
+    dq = torch.randn(len(lens), 9, 32, generator=gen).to(dtype).to(DEVICE)
+    starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
+    out = paged_extend(
+        pool, 1, q, table, rows, torch.tensor(starts, device=DEVICE),
+        torch.tensor([n for _, n in pairs], device=DEVICE),
+        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2).run()
+    for i, (prefix, n) in enumerate(pairs):
+        ref = reference(pool, 1, q[starts[i] : starts[i] + n], table[rows[i], : prefix + n],
+                        torch.arange(prefix, prefix + n, device=DEVICE), 0.2)
+        close(out[starts[i] : starts[i] + n], ref, dtype)
+    out = paged_decode(pool, 2, dq, table, rows, torch.tensor(lens, device=DEVICE), 0.2).run()
+    for b, n in enumerate(lens):
+        ref = reference(pool, 2, dq[b : b + 1], table[rows[b], :n],
+                        torch.tensor([n - 1], device=DEVICE), 0.2)
+        close(out[b : b + 1], ref, dtype)
 
 
 @pytest.mark.parametrize("window", [1, 20, 100])

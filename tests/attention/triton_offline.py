@@ -2,8 +2,9 @@
 
 Triton's JIT compiles for whatever target its active driver names. `Offline` names one and does
 nothing else, so `JITFunction.warmup` runs the JIT's own path on the launches the engine builds
-(attention's paged_decode, paged_extend, with and without a sliding window, and store_kv, the
-model's fused ops, the block-FP8 GEMM for sm_89/sm_90): the same
+(attention's paged_decode, paged_extend, with and without a sliding window, over fp8 KV pages
+for sm_89/sm_90, and store_kv, the model's fused ops, the block-FP8 GEMM for sm_89/sm_90): the
+same
 specialization (argument types, 16-byte divisibility), lowering, and ptxas to a cubin, which is
 what a GPU would then load. The bundled cuobjdump reads the cubin's registers and local memory
 (spills).
@@ -29,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from runtime.attention.triton_backend import paged_decode, paged_extend, store_kv
+from runtime.kvcache.fp8 import KVScales
 from runtime.kvcache.pool import KVPool
 from runtime.kvcache.req_to_token import ReqToTokenPool
 from runtime.models.fp8_gemm import block_fp8_gemm_launch
@@ -57,6 +59,14 @@ ARCH_SHAPES = {90: [s[0] for s in SHAPES], 80: ["smollm2-135m", "llama-8b"],
 # prefill's 64) on llama-8b's gate_up (K 4096, N 28672): its shapes only change the grid
 FP8_GEMM = {"fp8_gemm-m16": 16, "fp8_gemm-m32": 32, "fp8_gemm-m64": 64}
 FP8_PLAN = [90, 89]
+# attention over fp8 KV pages (--kv-cache-dtype fp8_e4m3): e4m3 conversions need sm_89 or later
+# (on sm_80 Triton refuses fp8e4nv: FP8_KV_REFUSED, and so does the backend, by name); a float32
+# model's spill registers on sm_90 (stack 120 to 5080 bytes, triton 3.8), so the backend refuses
+# those too and they are not built here
+FP8_KV_KERNELS = ("decode-fp8kv", "extend-fp8kv")
+FP8_KV_PLAN = [(90, ["bf16", "fp16"]), (89, ["bf16"])]
+FP8_KV_SHAPES = ["smollm2-135m", "llama-8b"]
+FP8_KV_REFUSED = 80
 
 
 class Offline:
@@ -101,6 +111,17 @@ def launches(heads: int, kv_heads: int, head_dim: int, context: int, hidden: int
     }
 
 
+def fp8_kv_launches(heads: int, kv_heads: int, head_dim: int, context: int, *_: int,
+                    dtype: torch.dtype) -> dict[str, Launch]:
+    """Decode and extend over an fp8 pool of a `dtype` model (scales as kernel arguments)."""
+    pool = KVPool(1, 4, 16, kv_heads, head_dim, dtype, scales=KVScales((0.5,), (2.0,), "offline"))
+    table = ReqToTokenPool(4, context).table
+    rows = torch.zeros(2, dtype=torch.int64)
+    q = torch.zeros(2, heads, head_dim, dtype=dtype)
+    return {"decode-fp8kv": paged_decode(pool, 0, q, table, rows, rows, 0.125),
+            "extend-fp8kv": paged_extend(pool, 0, q, table, rows, rows, rows, rows, 1, 0.125)}
+
+
 def fp8_gemm_launches() -> dict[str, Launch]:
     k, n = 4096, 28672
     w, w_s = torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n, k // 128)
@@ -140,6 +161,16 @@ def main() -> None:
         for kernel, launch in fp8_gemm_launches().items():
             _fresh(launch, fresh)
             report(arch, "llama-8b", "fp8", kernel, launch)
+    shapes = {s[0]: s[1:] for s in SHAPES}
+    for arch, dtypes in FP8_KV_PLAN:
+        driver.set_active(Offline(arch))
+        fresh = set()
+        for name in FP8_KV_SHAPES:
+            for dtype in dtypes:
+                for kernel, launch in fp8_kv_launches(*shapes[name], dtype=DTYPES[dtype]).items():
+                    _fresh(launch, fresh)
+                    report(arch, name, dtype, kernel, launch)
+    refused(FP8_KV_REFUSED, fp8_kv_launches(*shapes["smollm2-135m"], dtype=torch.bfloat16))
     print(json.dumps({"triton": triton.__version__}), file=sys.stderr)
 
 
@@ -179,6 +210,20 @@ def report(arch: int, shape: str, dtype: str, kernel: str, launch: Launch) -> No
            "fma": fused_fmas(compiled.asm["ptx"]),
            **resources(compiled.asm["cubin"])}  # fmt: skip
     print(json.dumps(row), flush=True)
+
+
+def refused(arch: int, launches: dict[str, Launch]) -> None:
+    """Compile the decode launch for `arch`, expecting triton to refuse it: one JSON line with
+    why (the last line of its error), or with none if it compiled."""
+    driver.set_active(Offline(arch))
+    launch = launches["decode-fp8kv"]
+    launch.kernel.device_caches.clear()
+    try:
+        launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constants)
+        why = None
+    except Exception as e:  # triton's CompilationError wraps the frontend's error
+        why = str(e).strip().splitlines()[-1]
+    print(json.dumps({"arch": arch, "kernel": "decode-fp8kv", "refused": why}), flush=True)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,25 @@ def test_every_injected_fault_is_caught_and_nobody_else_is_hurt(
     assert kv.is_all_free()
     kv.flush_cache()
     assert kv.allocator.is_all_free()
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4-kv-copied"])
+def test_under_tp_a_fault_in_any_rank_s_pages_is_caught(tp: int, sharp_tiny: Path,
+                                                        prompts: list[list[int]]) -> None:
+    """Every rank checks its own KV heads' bytes and rank 0 sees what any rank found: the KV
+    strikes land on the ranks in turn, followers first (runtime/canary/perturb.py), over 4
+    ranks on copies of the 2 KV heads too. The token oracle samples, so the tokens do not hang
+    on how the ranks round their sums."""
+    out, engine = generate(sharp_tiny, prompts[:12], tp=tp, kv_canary="raise",
+                           kv_canary_bytes="all", sampler_backend="token_oracle",
+                           perturb="kv_after_forward=0.08", perturb_seed=4)
+    monitor = engine.scheduler.canary
+    assert monitor is not None
+    assert len(monitor.injected) >= tp, monitor.stats  # every rank struck at least once
+    assert set(monitor.caught) == set(monitor.injected)
+    assert monitor.stats.violations == {"bytes": len(monitor.injected)}
+    want = oracle_outputs(out, prompts[:12], engine.runner.vocab_size)
+    for r, expected in zip(out, want, strict=True):
+        if r["meta_info"]["id"] not in monitor.injected:
+            assert r["output_ids"] == expected
+    assert engine.runner.kv.is_all_free()

@@ -4,7 +4,12 @@ cluster key on, give HF transformers' greedy tokens and logprobs, streamed and n
 sharp tiny Llama (4 heads, 2 KV heads: over 4 ranks each KV head is copied on 2). Each prefill
 rank writes its KV heads into the decode ranks that hold them, on links of its own; the decode
 takes the room only once every rank's share has landed. Every page is freed on every side
-after, and a server's followers leave with it."""
+after, and a server's followers leave with it.
+
+The KV canary runs throughout with every layer's byte checksums (runtime/canary/ranks.py): the
+sums that travel are the ranks' partials added up, checked on arrival over every decode rank's
+pages and then kept per rank, all clean; a decode follower's pages corrupted after a forward,
+and a prefill follower's just before they are sent, are each caught (injected == caught)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.canary.test_pd_canary import canary_error
 from tests.disagg.pd import Pair, pd_call, start_pair
 from tests.engine.hf_reference import PROMPTS, Reference, compare, hf_greedy
 from tests.server.test_metrics import metric
@@ -30,6 +36,7 @@ MAX_NEW = 12
 # 4 prefill ranks, of which ranks 0 and 2 send, rank to rank (equal TP is that case's simplest
 # form). Both halves of each decode page from two prefill ranks: through `baton up`, below.
 COMBOS = [(1, 2), (4, 2)]
+CANARY = ("--kv-canary", "raise", "--kv-canary-bytes", "all")
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +52,11 @@ def refs(sharp_tiny_path: Path) -> tuple[list[list[int]], list[Reference]]:
 def pair(request: pytest.FixtureRequest, sharp_tiny_path: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     p_tp, d_tp = request.param
-    p = start_pair(tmp_path_factory.mktemp(f"pd-tp-{p_tp}-{d_tp}"), "tcp",
-                   "--kv-canary", "raise", model=str(sharp_tiny_path),
-                   prefill_extra=("--tp", str(p_tp)), decode_extra=("--tp", str(d_tp)))
+    p = start_pair(tmp_path_factory.mktemp(f"pd-tp-{p_tp}-{d_tp}"), "tcp", *CANARY,
+                   model=str(sharp_tiny_path), prefill_extra=("--tp", str(p_tp)),
+                   # strikes only requests certain to run on (ignore_eos): none of HF's
+                   decode_extra=("--tp", str(d_tp), "--perturb", "kv_after_forward=0.15",
+                                 "--perturb-seed", "1"))
     yield p
     p.stop()
 
@@ -67,7 +76,7 @@ def assert_pd_equals_hf(pair: Pair, ids: list[list[int]], want: list[Reference],
     """The prompts at once through the pair give HF's tokens and logprobs (`near_ties`: a
     divergence at a genuine near-tie is allowed, on a model whose logits are not sharp), every
     page is freed on both sides after (rank 0's allocator holds every rank's pages), and the
-    canary's tags were checked on arrival, all clean."""
+    canary's tags and byte sums were checked, on arrival too, all clean."""
     async def run() -> list[tuple[httpx.Response, Any]]:
         async with httpx.AsyncClient(timeout=120) as http:
             return await asyncio.gather(*[pd_call(http, pair, "/generate",
@@ -83,10 +92,78 @@ def assert_pd_equals_hf(pair: Pair, ids: list[list[int]], want: list[Reference],
     for srv in (pair.prefill, pair.decode):
         stats = httpx.get(f"{srv.url}/debug/stats").json()
         assert stats["kv_all_free"], f"{srv.url} holds KV after all requests finished: {stats}"
-    for srv in (pair.prefill, pair.decode):
-        text = httpx.get(f"{srv.url}/metrics").text
-        assert metric(text, "baton_kv_canary_checks_total") > 0, srv.url
-        assert "baton_kv_canary_violations_total{" not in text, srv.url
+    canary_clean(pair.prefill.url, pair.decode.url)
+
+
+def canary_clean(*urls: str) -> None:
+    """The canary's tags and byte sums checked on every rank, all clean."""
+    for url in urls:
+        text = httpx.get(f"{url}/metrics").text
+        assert metric(text, "baton_kv_canary_checks_total") > 0, url
+        assert "baton_kv_canary_violations_total{" not in text, url
+
+
+def test_a_decode_follower_s_corrupted_pages_are_caught(
+        pair: Pair, refs: tuple[list[list[int]], list[Reference]]) -> None:
+    """kv_after_forward strikes the decode's ranks in turn, rank 1 first: each hit request ends
+    with the canary's message, the others give HF's tokens."""
+    ids, want = refs
+    bodies = [dict(_body(x, pair, False), sampling_params={
+        "temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}) for x in ids * 2]
+
+    async def run() -> list[tuple[httpx.Response, Any]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*[pd_call(http, pair, "/generate", b) for b in bodies])
+
+    caught = 0
+    for (prefill, decoded), ref in zip(asyncio.run(run()), want * 2, strict=True):
+        assert prefill.status_code == 200, prefill.text
+        error = canary_error(decoded)
+        if error is not None:
+            assert error.startswith("KV canary:"), error
+            caught += 1
+        else:
+            assert compare(decoded["output_ids"][:len(ref.ids)], ref) is None
+    text = httpx.get(f"{pair.decode.url}/metrics").text
+    injected = metric(text, "baton_perturb_injections_total", '{kind="kv_after_forward"}')
+    assert injected == caught >= 2  # rank 1's pages and rank 0's
+    assert metric(text, "baton_kv_canary_violations_total", '{kind="bytes"}') == caught
+
+
+def test_a_prefill_follower_s_pages_corrupted_before_sending_are_caught(
+        sharp_tiny_path: Path, tmp_path: Path, refs: tuple[list[list[int]], list[Reference]]) -> None:
+    """P tp=2 -> D tp=1: kv_before_send flips an element of the pages about to leave on prefill
+    rank 1, then 0, in turn (after their sums were taken); the one-rank decode finds the
+    whole-model sums of what landed differ, and ends the request before it runs anything."""
+    pair = start_pair(tmp_path, "tcp", *CANARY, model=str(sharp_tiny_path),
+                      prefill_extra=("--tp", "2", "--perturb", "kv_before_send=0.5",
+                                     "--perturb-seed", "3"))
+    try:
+        ids, want = refs
+
+        async def run() -> list[tuple[httpx.Response, Any]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*[pd_call(http, pair, "/generate",
+                                                      _body(x, pair, False)) for x in ids * 2])
+
+        caught = 0
+        for (prefill, decoded), ref in zip(asyncio.run(run()), want * 2, strict=True):
+            assert prefill.status_code == 200, prefill.text
+            error = canary_error(decoded)
+            if error is not None:
+                assert "prompt KV bytes changed in transfer" in error, error
+                caught += 1
+            else:
+                assert compare(decoded["output_ids"], ref) is None
+        sent = metric(httpx.get(f"{pair.prefill.url}/metrics").text,
+                      "baton_perturb_injections_total", '{kind="kv_before_send"}')
+        assert sent == caught >= 2  # rank 1's pages and rank 0's
+        text = httpx.get(f"{pair.decode.url}/metrics").text
+        assert metric(text, "baton_kv_canary_violations_total", '{kind="bytes"}') == caught
+        for srv in (pair.prefill, pair.decode):
+            assert httpx.get(f"{srv.url}/debug/stats").json()["kv_all_free"], srv.url
+    finally:
+        pair.stop()
 
 
 def test_a_dead_decode_rank_ends_its_server_and_the_prefill_frees_the_room(
@@ -120,7 +197,7 @@ def test_baton_up_pairs_a_two_rank_prefill_with_a_one_rank_decode(
     /debug/pairs shows each side's TP, and /generate through it gives HF's tokens and
     logprobs: both halves of each decode page come from the two prefill ranks."""
     up = Up(sharp_tiny_path, tmp_path, "--prefill-tp", "2", "--decode-tp", "1",
-            "--kv-transfer", "tcp", "--", "--kv-canary", "raise")
+            "--kv-transfer", "tcp", "--", *CANARY)
     try:
         up.wait_up()
         ids, want = refs
@@ -132,5 +209,6 @@ def test_baton_up_pairs_a_two_rank_prefill_with_a_one_rank_decode(
             assert compare(out["output_ids"], ref, logprobs) is None
         (pair,) = httpx.get(f"{up.url}/debug/pairs").json()["pairs"]
         assert (pair["prefill_tp"], pair["decode_tp"], pair["succeeded"]) == (2, 1, len(ids))
+        canary_clean(pair["prefill"], pair["decode"])
     finally:
         up.close()

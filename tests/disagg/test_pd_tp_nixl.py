@@ -1,8 +1,8 @@
 """PD over nixl with tensor parallelism on either side (runtime/disagg/transfer/nixl.py): real
 `baton serve` processes with their follower ranks and the cluster key on, each rank with its
 own nixl agent, give HF transformers' greedy tokens and logprobs, every page freed on every side
-after and the KV canary's tags clean. Servers are shared: each prefill pairs with each decode.
-On the sharp tiny Llama (4 heads, 2 KV heads) P1/P2 x D1/D2: one rank each side (the aux record
+after and the KV canary's tags and byte checksums (summed over the ranks) clean. Servers are
+shared: each prefill pairs with each decode. On the sharp tiny Llama (4 heads, 2 KV heads) P1/P2 x D1/D2: one rank each side (the aux record
 is the WRITE's notification), each decode page's two halves from two prefill ranks, each prefill
 page split by head range into two decode ranks (descriptors per row), and equal TP (page runs).
 On the builtin model (3 KV heads) P3 -> D1 and P1 -> D3: slow, 8 rank processes."""
@@ -27,11 +27,11 @@ Servers = dict[str, ServerProcess]
 
 def start_servers(log_dir: Path, model: Path, prefill_tps: tuple[int, ...],
                   decode_tps: tuple[int, ...]) -> tuple[Servers, dict[str, int], str]:
-    """Prefill and decode servers over nixl with the KV canary in `raise` mode and one cluster
-    key, loading at once: {"p1": ..., "d2": ...}, the prefills' bootstrap ports, the key."""
+    """Prefill and decode servers over nixl with the KV canary in `raise` mode (every layer's
+    byte checksums) and one cluster key, loading at once: {"p1": ..., "d2": ...}, the prefills' bootstrap ports, the key."""
     pytest.importorskip("nixl")
     key, ports = secrets.token_hex(32), {f"p{tp}": free_port() for tp in prefill_tps}
-    common = ("--kv-transfer", "nixl", "--kv-canary", "raise")
+    common = ("--kv-transfer", "nixl", "--kv-canary", "raise", "--kv-canary-bytes", "all")
     servers: Servers = {}
     try:
         for name, port in ports.items():

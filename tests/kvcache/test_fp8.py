@@ -1,7 +1,7 @@
 """FP8 KV pages (`--kv-cache-dtype fp8_e4m3`): the pool stores float8_e4m3fn under per-layer
 scales and gives back the model's dtype; the scales come from the checkpoint or default to 1.0;
-the KV layout names the dtype and the scales, so servers that differ in either do not pair; the
-backends that cannot read fp8 pages refuse by name."""
+the KV layout names the dtype and the scales, so servers that differ in either do not pair;
+every attention backend reads fp8 pages."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.attention.base import BackendUnavailable
+from runtime.attention.cpu_backend import CpuAttention
 from runtime.attention.registry import create_attention_backend
-from runtime.attention.torch_backend import TorchAttention
 from runtime.disagg.fence import WriteFence
 from runtime.disagg.shares import Share
 from runtime.disagg.transfer.base import layout_of
@@ -103,24 +102,15 @@ def test_the_layout_names_the_dtype_and_the_scales_and_fp8_pairs_only_with_its_l
         KVLayout(2, 4, 2, 8, "float8_e4m3fn")
 
 
-def test_only_the_torch_backend_reads_fp8_pages_and_auto_picks_it() -> None:
-    pool = fp8_pool()
+def test_auto_keeps_the_native_cpu_backend_for_an_fp8_pool_and_serve_takes_any_backend() -> None:
+    """Every backend reads fp8 pages (tests/attention/test_fp8_backends.py): `auto` on the CPU is
+    still the native kernel, and no --attention-backend is refused for fp8 KV."""
+    pool = KVPool(2, 8, 4, 2, 32, torch.float32, scales=SCALES)  # a head the kernel takes
     table = ReqToTokenPool(2, 64, "cpu")
-    assert isinstance(create_attention_backend("auto", pool, table, 1.0), TorchAttention)
-    with pytest.raises(BackendUnavailable, match="--attention-backend torch"):
-        create_attention_backend("cpu", pool, table, 1.0)
-    for name in ("triton", "flashinfer"):  # before they look for CUDA
-        with pytest.raises(BackendUnavailable, match="fp8 KV pages"):
-            create_attention_backend(name, pool, table, 1.0)
-
-
-def test_serve_refuses_fp8_kv_with_a_backend_that_cannot_read_it(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_server_args(["--kv-cache-dtype", "fp8_e4m3"]).engine.kv_cache_dtype == "fp8_e4m3"
-    for backend in ("cpu", "triton", "flashinfer"):
-        with pytest.raises(SystemExit):
-            parse_server_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend])
-        assert "use --attention-backend torch" in capsys.readouterr().err
+    assert isinstance(create_attention_backend("auto", pool, table, 1.0), CpuAttention)
+    for backend in ("auto", "torch", "cpu", "triton", "flashinfer"):
+        args = parse_server_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", backend])
+        assert (args.engine.kv_cache_dtype, args.engine.attention_backend) == ("fp8_e4m3", backend)
 
 
 def test_a_tp_share_of_fp8_pages_lands_in_the_same_heads_of_a_decode_ranks_pages() -> None:

@@ -1,7 +1,7 @@
 """`spec.<pool>.tensorParallelSize`: a TP=2 GPU pool as rendered (GPUs, `--tp`, /dev/shm, a KV
-port per decode rank in the pod and its NetworkPolicy), the defaults, and the operator's split
-rule held to the runtime's. The refusals, each naming its field, are in
-test_operator_spec_status.py."""
+port per decode rank in the pod and its NetworkPolicy), the defaults, the canary's byte
+checksums let through, and the operator's split rule held to the runtime's. The refusals, each
+naming its field, are in test_operator_spec_status.py."""
 
 from __future__ import annotations
 
@@ -98,6 +98,17 @@ def test_a_tp_pool_moves_kv_over_nixl_too() -> None:
                    decode={"tensorParallelSize": NIXL_MAX_TP}).decode.tensor_parallel_size == 8
     for child in build_children(svc):
         kubernetes_validate.validate(child, "1.30", strict=True)
+
+
+def test_a_tp_pool_keeps_the_canary_s_byte_checksums_in_its_args() -> None:
+    """The byte checksums cover every rank's KV heads (runtime/canary/ranks.py): a TP pool
+    may ask for them, and its pods run with them."""
+    svc = service(kvTransfer={"backend": "tcp"},
+                  decode={"tensorParallelSize": 3,
+                          "args": ["--kv-canary", "raise", "--kv-canary-bytes", "partial"]})
+    argv = pod(svc, "decode")["containers"][0]["args"]
+    assert argv[argv.index("--tp") + 1] == "3"
+    assert argv[argv.index("--kv-canary-bytes") + 1] == "partial"
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_SHAPES))

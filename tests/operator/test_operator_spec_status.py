@@ -82,9 +82,6 @@ def test_defaults_match_the_crd() -> None:
     ({"kvTransfer": {"backend": "tcp"}, "model": {"uri": "hf://o/n"},
       "decode": {"tensorParallelSize": 9, "args": ["--kv-transfer=nixl"]}},
      r"spec.decode.tensorParallelSize 9 with nixl \(spec.decode.args\)"),
-    ({"kvTransfer": {"backend": "tcp"}, "decode": {"tensorParallelSize": 3,
-                                                   "args": ["--kv-canary-bytes", "partial"]}},
-     "spec.decode.tensorParallelSize 3 and --kv-canary-bytes in spec.decode.args"),
     ({"decode": {"args": ["--tp", "2"]}}, "spec.decode.args --tp: set spec.decode.tensorParallel"),
     ({"prefill": {"args": ["--tensor-parallel-size=3"]}}, "spec.prefill.args --tensor-parallel"),
     ({"kvTransfer": {"backend": "tcp"}, "prefill": {"tensorParallelSize": 2}},  # 9 heads, 3 KV

@@ -135,9 +135,9 @@ def test_tp_alias_and_what_it_does_not_serve_yet(capsys: pytest.CaptureFixture[s
     pd = ["--tp", "2", "--role", "decode", "--kv-transfer"]
     for backend in ("tcp", "nixl"):  # PD over ranks: either backend
         assert parse_server_args([*pd, backend]).disagg.kv_transfer == backend
+    canary = parse_server_args([*pd, "tcp", "--kv-canary", "raise", "--kv-canary-bytes", "all"])
+    assert canary.canary.kv_canary_bytes == "all"  # every rank's KV heads summed
     for argv, why in ((["--tp", "0"], "--tp must be >= 1"),
-                      ([*pd, "tcp", "--kv-canary", "raise", "--kv-canary-bytes", "all"],
-                       "per-rank checksums are not built yet"),
                       (["--tp-timeout-s", "0"], "--tp-timeout-s must be > 0")):
         with pytest.raises(SystemExit):
             parse_server_args(argv)

@@ -1,4 +1,4 @@
-// Decode attention read in place from the paged KV pool (CPU, fp32).
+// Decode attention read in place from the paged KV pool (CPU, fp32; K/V pages fp32 or fp8).
 //
 // One query token per request attends to its first seq_lens[b] positions, whose K/V rows start
 // rows[b, 0:seq_lens[b]] floats past k (and v). Nothing is gathered or padded: each
@@ -10,12 +10,17 @@
 //
 //   q        [B, H, D]           float32, contiguous
 //   k, v     [P, PS, KVH, D]     float32, one layer of the page-major pool: pages of PS slots,
-//                                a page's rows contiguous, pages `stride(0)` floats apart
-//   rows     [B, >= max(lens)]   int64, contiguous rows: each position's row offset in floats
+//                                a page's rows contiguous, pages `stride(0)` elements apart
+//   rows     [B, >= max(lens)]   int64, contiguous rows: each position's row offset in elements
 //                                (KVPool.row_offsets of the req_to_token rows: one table per
 //                                step for every layer, so no division per row here)
 //   seq_lens [B]                 int64
 //   out      [B, H, D]           float32, contiguous, written
+//
+// paged_decode_fp8 takes the same arguments, k and v float8_e4m3fn pages (--kv-cache-dtype
+// fp8_e4m3), and two more: k_lut, v_lut [256] float32, the value of each fp8 byte under the
+// layer's K (V) scale (float(byte) * scale: what KVPool's dequantize gives, so the kernel reads
+// exactly the values the torch backend attends to).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -38,6 +43,24 @@ inline void store(float* p, Vec x) { *reinterpret_cast<Vec*>(p) = x; }
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float Vec4 __attribute__((vector_size(4 * sizeof(float))));
+
+// A layer's K (or V) rows as the pool stores them; plus(n): the same, n elements on (a kv head).
+struct F32Rows {
+  const float* base;
+  Vec at(int64_t offset) const { return load(base + offset); }
+  F32Rows plus(int64_t n) const { return {base + n}; }
+};
+struct Fp8Rows {  // one byte an element, its value looked up under the layer's scale
+  const uint8_t* base;
+  const float* lut;  // [256]
+  Vec at(int64_t offset) const {
+    const uint8_t* p = base + offset;
+    Vec x;
+    for (int i = 0; i < kLanes; ++i) x[i] = lut[p[i]];
+    return x;
+  }
+  Fp8Rows plus(int64_t n) const { return {base + n, lut}; }
+};
 
 inline float sum_lanes(Vec x) {  // a fixed pairwise tree: vector adds, reproducible order
   Vec8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -71,16 +94,15 @@ inline Vec exp_nonpositive(Vec x) {
 
 // One (request, kv head): G query heads of C * 16 dims over L positions.
 // score: scratch of G * L floats.
-template <int C>
-void attend(const float* q, const float* k, const float* v, const int64_t* row, int64_t L,
-            int64_t G, int64_t max_row, float scale, float* score, float* out) {
+template <int C, typename Rows>
+void attend(const float* q, Rows k, Rows v, const int64_t* row, int64_t L, int64_t G,
+            int64_t max_row, float scale, float* score, float* out) {
   float max_score[kMaxGroup];
   std::fill(max_score, max_score + G, -INFINITY);
   for (int64_t j = 0; j < L; ++j) {  // scores: q . k_j for every head of the group
     TORCH_CHECK(row[j] >= 0 && row[j] <= max_row, "paged_decode: row out of range");
-    const float* kj = k + row[j];
     Vec kr[C];
-    for (int c = 0; c < C; ++c) kr[c] = load(kj + c * kLanes);
+    for (int c = 0; c < C; ++c) kr[c] = k.at(row[j] + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = q + h * C * kLanes;
       Vec acc = load(qh) * kr[0];
@@ -113,9 +135,8 @@ void attend(const float* q, const float* k, const float* v, const int64_t* row, 
   for (int64_t h = 0; h < G; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = Vec{};
   for (int64_t j = 0; j < L; ++j) {  // weighted sum of the values
-    const float* vj = v + row[j];
     Vec vr[C];
-    for (int c = 0; c < C; ++c) vr[c] = load(vj + c * kLanes);
+    for (int c = 0; c < C; ++c) vr[c] = v.at(row[j] + c * kLanes);
     for (int64_t h = 0; h < G; ++h) {
       const float p = score[h * L + j];
       for (int c = 0; c < C; ++c) acc[h][c] += p * vr[c];
@@ -125,27 +146,33 @@ void attend(const float* q, const float* k, const float* v, const int64_t* row, 
     for (int c = 0; c < C; ++c) store(out + h * C * kLanes + c * kLanes, acc[h][c] / denom[h]);
 }
 
-using AttendFn = decltype(&attend<1>);
+template <typename Rows>
+using AttendFn = void (*)(const float*, Rows, Rows, const int64_t*, int64_t, int64_t, int64_t,
+                          float, float*, float*);
 
-AttendFn pick(int64_t head_dim) {
+template <typename Rows>
+AttendFn<Rows> pick(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return &attend<2>;
-    case 64: return &attend<4>;
-    case 96: return &attend<6>;
-    case 128: return &attend<8>;
-    case 256: return &attend<16>;
+    case 32: return &attend<2, Rows>;
+    case 64: return &attend<4, Rows>;
+    case 96: return &attend<6, Rows>;
+    case 128: return &attend<8, Rows>;
+    case 256: return &attend<16, Rows>;
     default: return nullptr;
   }
 }
 
-void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
-                  at::Tensor& out) {
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+           const at::Tensor& rows, const at::Tensor& seq_lens, const at::Tensor& out,
+           at::ScalarType kv_type) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && out.sizes() == q.sizes(),
               "paged_decode: q/out [B, H, D], k/v [P, PS, KVH, D]");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                "paged_decode: q, k, v, out must be float32 CPU tensors");
+                "paged_decode: q, out must be float32 CPU tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v})
+    TORCH_CHECK(t->scalar_type() == kv_type && t->device().is_cpu(), "paged_decode: k, v must be ",
+                kv_type, " CPU tensors");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "paged_decode: q, out must be contiguous");
   TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == k.size(3) &&
                   k.stride(1) == k.size(2) * k.size(3),
@@ -157,17 +184,24 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(3) == D && H % KVH == 0 && H / KVH <= kMaxGroup,
               "paged_decode: head counts/dims do not match");
   TORCH_CHECK(rows.size(0) == B && seq_lens.size(0) == B, "paged_decode: batch sizes differ");
-  const AttendFn fn = pick(D);
-  TORCH_CHECK(fn != nullptr, "paged_decode: head_dim ", D, " not compiled (32/64/96/128/256)");
-
-  const int64_t G = H / KVH, table_stride = rows.stride(0);
-  const int64_t max_row = (k.size(0) - 1) * k.stride(0) + (k.size(1) - 1) * k.stride(1);
+  TORCH_CHECK(pick<F32Rows>(D) != nullptr, "paged_decode: head_dim ", D,
+              " not compiled (32/64/96/128/256)");
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= rows.size(1), "paged_decode: bad seq_len ", lens[b]);
+}
+
+// Every (request, kv head) in parallel, over K/V rows `k`, `v` (at the layer's first element).
+template <typename Rows>
+void decode(const at::Tensor& q, const at::Tensor& k_pages, Rows k, Rows v,
+            const at::Tensor& rows, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_pages.size(2);
+  const int64_t G = H / KVH, table_stride = rows.stride(0);
+  const int64_t max_row =
+      (k_pages.size(0) - 1) * k_pages.stride(0) + (k_pages.size(1) - 1) * k_pages.stride(1);
+  const AttendFn<Rows> fn = pick<Rows>(D);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   float* op = out.mutable_data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -177,10 +211,31 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t b = item / KVH, g = item % KVH, L = lens[b];
       score.resize(G * L);
       const int64_t head0 = b * H + g * G;
-      fn(qp + head0 * D, kp + g * D, vp + g * D, rp + b * table_stride, L, G, max_row, sc,
+      fn(qp + head0 * D, k.plus(g * D), v.plus(g * D), rp + b * table_stride, L, G, max_row, sc,
          score.data(), op + head0 * D);
     }
   });
+}
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
+                  at::Tensor& out) {
+  check(q, k, v, rows, seq_lens, out, at::kFloat);
+  decode(q, k, F32Rows{k.data_ptr<float>()}, F32Rows{v.data_ptr<float>()}, rows, seq_lens, scale,
+         out);
+}
+
+void paged_decode_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
+                      const at::Tensor& k_lut, const at::Tensor& v_lut, at::Tensor& out) {
+  check(q, k, v, rows, seq_lens, out, at::kFloat8_e4m3fn);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_lut, &v_lut})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == 256,
+                "paged_decode_fp8: k_lut, v_lut must be 256 contiguous float32 values");
+  const float* kl = k_lut.data_ptr<float>();
+  const float* vl = v_lut.data_ptr<float>();
+  decode(q, k, Fp8Rows{static_cast<const uint8_t*>(k.data_ptr()), kl},
+         Fp8Rows{static_cast<const uint8_t*>(v.data_ptr()), vl}, rows, seq_lens, scale, out);
 }
 
 }  // namespace
@@ -188,5 +243,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 TORCH_LIBRARY(baton, m) {
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor seq_lens, float scale, "
         "Tensor(a!) out) -> ()");
+  m.def("paged_decode_fp8(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor seq_lens, "
+        "float scale, Tensor k_lut, Tensor v_lut, Tensor(a!) out) -> ()");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+  m.impl("paged_decode_fp8", c10::DispatchKey::CPU, &paged_decode_fp8);
 }
