@@ -188,6 +188,40 @@ def test_workers_know_their_pod_ip(role: str) -> None:
                              "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
+def test_both_worker_pools_carry_the_spec_revision() -> None:
+    """runtime/revision.py: one revision for both pools of a spec, as the pod label
+    baton.dev/revision and $BATON_REVISION (which `baton serve` reads); a change to what
+    either pool computes with makes a new one for both, replicas and resources do not."""
+
+    def revisions(**spec: Any) -> tuple[str, str]:
+        found = []
+        for role in ("prefill", "decode"):
+            deployment = build_deployment(service(**spec), role)  # type: ignore[arg-type]
+            label = deployment["spec"]["template"]["metadata"]["labels"]["baton.dev/revision"]
+            assert by_name(main_container(deployment)["env"])["BATON_REVISION"]["value"] == label
+            found.append(label)
+        return found[0], found[1]
+
+    base, same = revisions()
+    assert base == same and len(base) == 12
+    assert "baton.dev/revision" not in build_deployment(service(), "router")["spec"]["template"][
+        "metadata"]["labels"]
+    unchanged = [{"decode": {"replicas": 4}},
+                 {"prefill": {"resources": {"limits": {"cpu": "3"}}}}]
+    for spec in unchanged:
+        assert revisions(**spec) == (base, base), spec
+    changed = [{"decode": {"args": ["--quantization", "int4"]}},
+               {"prefill": {"args": ["--dtype", "bfloat16"]}},
+               {"decode": {"tensorParallelSize": 3}, "kvTransfer": {"backend": "tcp"}},
+               {"image": "registry.example/baton:other"},
+               {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}}]
+    seen = {base}
+    for spec in changed:
+        p, d = revisions(**spec)
+        assert p == d and p not in seen, spec
+        seen.add(p)
+
+
 def test_backend_policy_served_name_and_extra_args_follow_the_spec() -> None:
     svc = service(model={"uri": "builtin:smollm2-135m", "servedName": "smol"},
                   kvTransfer={"backend": "tcp"},
