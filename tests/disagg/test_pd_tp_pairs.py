@@ -1,11 +1,12 @@
-"""PD over nixl with tensor parallelism on either side (runtime/disagg/transfer/nixl.py): real
-`baton serve` processes with their follower ranks and the cluster key on, each rank with its
-own nixl agent, give HF transformers' greedy tokens and logprobs, every page freed on every side
-after and the KV canary's tags and byte checksums (summed over the ranks) clean. Servers are
-shared: each prefill pairs with each decode. On the sharp tiny Llama (4 heads, 2 KV heads) P1/P2 x D1/D2: one rank each side (the aux record
-is the WRITE's notification), each decode page's two halves from two prefill ranks, each prefill
-page split by head range into two decode ranks (descriptors per row), and equal TP (page runs).
-On the builtin model (3 KV heads) P3 -> D1 and P1 -> D3: slow, 8 rank processes."""
+"""PD over nixl and over tcp with tensor parallelism on either side (runtime/disagg/shares.py;
+transfer/nixl.py, tcp.py): real `baton serve` processes with their follower ranks and the
+cluster key on (over nixl each rank with its own agent) give HF transformers' greedy tokens and
+logprobs, every page freed on every side after and the KV canary's tags and byte checksums
+(summed over the ranks) clean. Servers are shared: each prefill pairs with each decode. On the
+sharp tiny Llama (4 heads, 2 KV heads) P1/P2 x D1/D2: one rank each side (over nixl the aux
+record is the WRITE's notification), each decode page's two halves from two prefill ranks, each
+prefill page split by head range into two decode ranks (nixl: descriptors per row), and equal TP
+(page runs). On the builtin model (3 KV heads) P3 -> D1 and P1 -> D3: slow, 8 rank processes."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ Servers = dict[str, ServerProcess]
 
 
 def start_servers(log_dir: Path, model: Path, prefill_tps: tuple[int, ...],
-                  decode_tps: tuple[int, ...]) -> tuple[Servers, dict[str, int], str]:
-    """Prefill and decode servers over nixl with the KV canary in `raise` mode (every layer's
-    byte checksums) and one cluster key, loading at once: {"p1": ..., "d2": ...}, the prefills' bootstrap ports, the key."""
-    pytest.importorskip("nixl")
+                  decode_tps: tuple[int, ...], transport: str = "nixl",
+                  ) -> tuple[Servers, dict[str, int], str]:
+    """Prefill and decode servers over `transport` with the KV canary in `raise` mode (every
+    layer's byte checksums) and one cluster key, loading at once: {"p1": ..., "d2": ...}, the
+    prefills' bootstrap ports, the key."""
+    if transport == "nixl":
+        pytest.importorskip("nixl")
     key, ports = secrets.token_hex(32), {f"p{tp}": free_port() for tp in prefill_tps}
-    common = ("--kv-transfer", "nixl", "--kv-canary", "raise", "--kv-canary-bytes", "all")
+    common = ("--kv-transfer", transport, "--kv-canary", "raise", "--kv-canary-bytes", "all")
     servers: Servers = {}
     try:
         for name, port in ports.items():
@@ -63,10 +67,11 @@ def pair_of(started: tuple[Servers, dict[str, int], str], p_tp: int, d_tp: int) 
     return Pair(servers[f"p{p_tp}"], servers[f"d{d_tp}"], ports[f"p{p_tp}"], key)
 
 
-@pytest.fixture(scope="module")
-def tiny(sharp_tiny_path: Path, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[Servers, dict[str, int], str]]:
-    started = start_servers(tmp_path_factory.mktemp("pd-tp-nixl"), sharp_tiny_path, (1, 2), (1, 2))
+@pytest.fixture(scope="module", params=["nixl", "tcp"])
+def tiny(request: pytest.FixtureRequest, sharp_tiny_path: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Servers, dict[str, int], str]]:
+    started = start_servers(tmp_path_factory.mktemp(f"pd-tp-{request.param}"), sharp_tiny_path,
+                            (1, 2), (1, 2), request.param)
     yield started
     stop(started[0])
 
@@ -82,21 +87,22 @@ def tiny_refs(sharp_tiny_path: Path) -> tuple[list[list[int]], list[Reference]]:
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (2, 2)],
                          ids=["p1-d1", "p2-d1", "p1-d2", "p2-d2"])
-def test_pd_over_nixl_between_any_tp_equals_hf(
+def test_pd_between_any_tp_equals_hf(
         tiny: tuple[Servers, dict[str, int], str], tiny_refs: tuple[list[list[int]], list[Reference]],
         p_tp: int, d_tp: int) -> None:
     assert_pd_equals_hf(pair_of(tiny, p_tp, d_tp), *tiny_refs)
 
 
 @pytest.mark.slow
-def test_pd_over_nixl_with_three_ranks_on_one_side_equals_hf(
-        model_path: Path, tmp_path: Path, prompt_ids: list[list[int]]) -> None:
+@pytest.mark.parametrize("transport", ["nixl", "tcp"])
+def test_pd_with_three_ranks_on_one_side_equals_hf(
+        model_path: Path, tmp_path: Path, prompt_ids: list[list[int]], transport: str) -> None:
     """The builtin model, one KV head per rank over 3 ranks: P3 -> D1 writes a third of each
     decode page's heads from each prefill rank, P1 -> D3 a third of each prefill page into each
     decode rank (near-ties allowed: its logits are not sharp)."""
     ids = prompt_ids[:2]
     want = [r.head(6) for r in hf_greedy(model_path, ids, 6)]
-    started = start_servers(tmp_path, model_path, (1, 3), (1, 3))
+    started = start_servers(tmp_path, model_path, (1, 3), (1, 3), transport)
     try:
         for p_tp, d_tp in ((3, 1), (1, 3)):
             assert_pd_equals_hf(pair_of(started, p_tp, d_tp), ids, want, near_ties=True)
