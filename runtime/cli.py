@@ -39,12 +39,13 @@ COMMANDS = {
     "router": "runtime.router.main",
     "up": "runtime.launch",
     "operator": "baton_operator.main",
+    "plan": "baton_operator.planner",  # the P:D planner, offline (docs/rollouts.md)
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: baton {serve,router,up,operator,model} ...\n"
+    usage = "usage: baton {serve,router,up,operator,plan,model} ...\n"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage + "\n" + __doc__.strip())
         return 0 if argv else 2
