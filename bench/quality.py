@@ -16,6 +16,9 @@ they compute least exactly: every position as a one-row step through the quantiz
 activations); their prefill path (the same rounded weights dequantized, fp32 activations) is
 `int8-prefill` / `int4-prefill`. `fp8-kv` (--kv-cache-dtype fp8_e4m3, float32 otherwise) runs
 every position as a one-row step too: each then reads its whole context from the fp8 pages.
+`fp8` is `--quantization fp8` (a CUDA mode) emulated on the CPU: weights per output channel and
+activations per token in fp8, their product in float32 (runtime/models/fp8_linear.py
+`reference_gemm`): fp8's rounding alone, without the bf16 output of a GPU's GEMM.
 Writes DIR/quality.json (default DIR: bench/results).
 """
 
@@ -38,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--modes", default="bfloat16", help="comma-separated: bfloat16, float16, int8, int8-prefill, int4, int4-prefill, "
-                   "fp8-kv")
+                   "fp8-kv, fp8 (weights and activations, emulated in float32)")
     p.add_argument("--window", type=int, default=560, help="tokens per window (default 560)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=int, default=2)
@@ -83,6 +86,11 @@ MODES: dict[str, tuple[dict[str, Any], int | None]] = {
     # fp8 KV pages, float32 otherwise; every position a one-row step, so each reads all of its
     # context (its own token's K/V too) from the fp8 pool
     "fp8-kv": ({"dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "torch"}, 1),
+    # `--quantization fp8` (a CUDA mode) emulated: each layer's weight in fp8 per output channel,
+    # each row of activations in fp8 per token, their product in float32 (fp8_linear.py
+    # reference_gemm), so what is measured is fp8's rounding alone; on a GPU the GEMM's bf16
+    # output adds bf16's own cost on top
+    "fp8": ({"dtype": "float32"}, None),
 }
 
 
@@ -94,6 +102,10 @@ def run_mode(model: str, mode: str, parts: list[list[int]], chunk: int) -> list[
     longest = max(len(p) for p in parts)
     config = EngineConfig(model=model, max_total_tokens=4 * longest, **fields)
     runner = ModelRunner(config, 1)
+    if mode == "fp8":  # --quantization fp8's rounding, through the float32 reference product
+        from runtime.models.fp8_linear import quantize_fp8, reference_gemm
+
+        quantize_fp8(runner.model, reference_gemm)
     return [all_logits(runner, p, mode_chunk or chunk) for p in parts]
 
 

@@ -128,13 +128,14 @@ def build_linear(parts: list[torch.Tensor | FP8Weight], bias: torch.Tensor | Non
     return Linear(torch.cat(dense), bias, onednn)
 
 
-def quantize_fp8(model: Any) -> int:
+def quantize_fp8(model: Any, gemm: FP8Gemm | None = None) -> int:
     """`--quantization fp8`: every matmul of `model.layers` (quantize.replace_linears: not the
     lm_head, norms or MoE experts) an FP8Linear with one scale per output channel; returns how
-    many. A weight torch._scaled_mm cannot take stays as it is."""
+    many. A weight torch._scaled_mm cannot take stays as it is. `gemm`: the product to use
+    (default: torch._scaled_mm; bench/quality.py measures with `reference_gemm` on the CPU)."""
 
     def swap(linear: Linear) -> FP8Linear | None:
         weight = FP8Weight.quantize(dense_weight(linear))
-        return FP8Linear(weight, linear.bias) if scaled_mm_fits(weight) else None
+        return FP8Linear(weight, linear.bias, gemm) if scaled_mm_fits(weight) else None
 
     return replace_linears(model, swap)
