@@ -143,11 +143,9 @@ def build_role(args: ServerArgs, scheduler: Scheduler, plane: KVPlane | None, vo
                           plane.rank_info)
     log.info("decode %s: KV receiver on %s:%d (%s)", plane.name, me.receiver_host,
              me.receiver_port, transfer.name)
+    # under TP the moved KV leaves as a prefill's does: each rank's heads, as shares
     mover = (Mover(scheduler.handoffs, sender(), me.receiver_host)
-             if args.disagg.move_kv_on_drain and plane.ranks is None else None)
-    if args.disagg.move_kv_on_drain and plane.ranks is not None:
-        log.info("decode %s: draining finishes its streams here (moving the KV of several TP "
-                 "ranks to another decode is not built yet)", plane.name)
+             if args.disagg.move_kv_on_drain else None)
     client = PrefillClient(me, transfer, plane.key, args.disagg.heartbeat_interval_s)
     decode: DecodeRole[Req] = DecodeRole(scheduler, scheduler.handoffs, scheduler.kv, plane, client,
                                          receiver, args.disagg, wake, vocab_size, mover=mover)

@@ -4,7 +4,8 @@ the other decode with its KV (pages, newest token, seed) over the KV transfer pa
 recomputed: the prefill sees no request for them. Each stream goes on token-exact, every token
 once (/generate streams, and chat streams whose `stream_interval` leaves tokens due at the move),
 with one finish and one usage; the KV canary (raise) finds every moved slot the stream's own;
-the draining decode exits 0 and the survivors' KV is free."""
+the draining decode exits 0 and the survivors' KV is free. A draining decode of two TP ranks
+moves its streams to a one-rank decode the same way."""
 
 from __future__ import annotations
 
@@ -68,13 +69,18 @@ def requests_done(url: str) -> float:
                if line.startswith("baton_requests_total{"))
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize(("backend", "victim_tp"), [("tcp", 2), ("nixl", 1)],
+                         ids=["tcp-tp2-victim", "nixl"])
 def test_a_draining_decode_moves_its_streams_with_their_kv(sharp_tiny_path: Path, tmp_path: Path,
-                                                           backend: str) -> None:
+                                                           backend: str, victim_tp: int) -> None:
+    """Over tcp the draining decode runs two TP ranks and the taker one: each rank's KV heads
+    leave as a share (runtime/disagg/shares.py), both into the taker's pages."""
     if backend == "nixl":
         pytest.importorskip("nixl")  # a decode's own nixl agent writes into the other's pool
+    victim = ("--tp", str(victim_tp)) if victim_tp > 1 else ()
     dep = deploy(sharp_tiny_path, tmp_path, 1, 2, prefill_args=(*NAMED, *CANARY),
-                 decode_args=(*ROOMY, *NAMED, *CANARY), move_kv=True, backend=backend)
+                 decode_args=(*ROOMY, *NAMED, *CANARY), move_kv=True, backend=backend,
+                 first_decode_args=victim)
     try:
         undisturbed = asyncio.run(streams(dep.router.url))
         victim, prefill, router = dep.decodes[0], dep.prefills[0], dep.router.url
