@@ -82,8 +82,9 @@ def open_plane(args: ServerArgs, pool: KVPool, wake: Callable[[], None],
     from runtime.disagg.ranks_plane import LeaderFence, open_followers
 
     receivers, info = open_followers(ranks, args.role, name, layout, args.disagg.kv_transfer,
-                               (args.host, args.disagg.kv_port), advertise,
-                               args.disagg.cluster_key_file)
-    transfer = create_transfer(args.disagg.kv_transfer, pool, name, LeaderFence(wake, ranks),
-                               layout)
-    return KVPlane(transfer, key, Tally(), handoff, ranks, receivers, info)
+                                     (args.host, args.disagg.kv_port), advertise,
+                                     args.disagg.cluster_key_file)
+    tally = Tally()  # the followers' receivers count into it too
+    transfer = create_transfer(args.disagg.kv_transfer, pool, name,
+                               LeaderFence(wake, ranks, tally), layout)
+    return KVPlane(transfer, key, tally, handoff, ranks, receivers, info)

@@ -33,7 +33,7 @@ from runtime.disagg.interfaces import RankCalls
 from runtime.disagg.receiver import KVReceiver
 from runtime.disagg.sender import KVSender
 from runtime.disagg.shares import Share
-from runtime.disagg.tally import Tally
+from runtime.disagg.tally import Forwarded, Tally
 from runtime.disagg.transfer.base import KVTransfer, TransferError, create_transfer
 from runtime.disagg.wire import KVLayout, PeerRegistration
 from runtime.kvcache.pool import KVPool
@@ -79,9 +79,12 @@ def _answer(future: Future[Any], rank: int, what: str) -> Any:
 class LeaderFence(WriteFence):
     """Decode rank 0's fence: its own shares, and its followers' through their reports."""
 
-    def __init__(self, on_arrival: Callable[[], None], ranks: RankCalls) -> None:
+    def __init__(self, on_arrival: Callable[[], None], ranks: RankCalls,
+                 tally: Tally | None = None) -> None:
+        """`tally`: rank 0's, where the followers' receivers' counts go (refused writes, bad
+        links)."""
         super().__init__(on_arrival)
-        self.ranks = ranks
+        self.ranks, self.tally = ranks, tally
         self.told: set[int] = set()  # rooms the followers were told of (under the lock)
         ranks.on_event = self._event
 
@@ -132,11 +135,13 @@ class LeaderFence(WriteFence):
                 self.ranks.call(d, "discard", room)
 
     def _event(self, rank: int, name: str, args: tuple[Any, ...]) -> None:
-        (room,) = args
-        if name == "written":
-            self._written(room, rank)
+        if name == "tally":
+            if self.tally is not None:
+                self.tally.add(*args)
+        elif name == "written":
+            self._written(args[0], rank)
         elif name == "closed":
-            self._closed(room, rank)
+            self._closed(args[0], rank)
 
     def _written(self, room: int, rank: int) -> None:
         with self._lock:
@@ -198,7 +203,8 @@ class FollowerPlane:
         transfer = create_transfer(backend, pool, name, fence, KVLayout(**layout), rank)
         receiver = None
         if role == "decode":
-            receiver = KVReceiver(host, port, transfer, key, name, lambda: None, Tally())
+            counts = Forwarded(lambda kind, n: event("tally", (kind, n)))  # into rank 0's
+            receiver = KVReceiver(host, port, transfer, key, name, lambda: None, counts)
             receiver.start()
         log.info("TP rank %d: KV plane open (%s%s)", rank, backend,
                  f", receiver on port {receiver.port}" if receiver else "")

@@ -14,8 +14,12 @@ and a prefill follower's just before they are sent, are each caught (injected ==
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,6 +132,27 @@ def test_a_decode_follower_s_corrupted_pages_are_caught(
     injected = metric(text, "baton_perturb_injections_total", '{kind="kv_after_forward"}')
     assert injected == caught >= 2  # rank 1's pages and rank 0's
     assert metric(text, "baton_kv_canary_violations_total", '{kind="bytes"}') == caught
+
+
+def test_a_follower_receiver_s_refusals_count_on_rank_0(pair: Pair) -> None:
+    """A link to decode rank 1's KV receiver that cannot prove the cluster key is refused
+    there, and counted in the server's own `baton_kv_plane_events_total{kind="bad_link"}`."""
+    found = re.search(r"TP rank 1: KV plane open \(tcp, receiver on port (\d+)\)",
+                      pair.decode.log())
+    assert found, "decode rank 1's receiver port"
+    name = 'baton_kv_plane_events_total'
+    before = metric(httpx.get(f"{pair.decode.url}/metrics").text, name, '{kind="bad_link"}')
+    with socket.create_connection(("127.0.0.1", int(found.group(1))), timeout=5) as raw:
+        raw.recv(40)  # its HELLO; an answer that proves nothing
+        raw.sendall(b"\0" * 64)
+        raw.settimeout(5)
+        with contextlib.suppress(OSError):
+            assert raw.recv(1) == b""  # closed by the receiver
+    deadline = time.monotonic() + 10
+    while metric(httpx.get(f"{pair.decode.url}/metrics").text, name,
+                 '{kind="bad_link"}') < before + 1:
+        assert time.monotonic() < deadline, "rank 1's refusal never counted on rank 0"
+        time.sleep(0.1)
 
 
 def test_a_prefill_follower_s_pages_corrupted_before_sending_are_caught(
