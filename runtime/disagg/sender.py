@@ -238,6 +238,6 @@ class KVSender:
 
 
 def _in_doubt(error: BaseException) -> bool:
-    """A follower's write that may not be over: it said WriteInDoubt (its reply names the
-    type), or gave no answer in time."""
-    return isinstance(error, TimeoutError) or f": {WriteInDoubt.__name__}:" in str(error)
+    """A follower's write that may not be over: it raised WriteInDoubt there (the call's error
+    names the kind: runtime/scheduler/ranks.py RankCallError), or gave no answer in time."""
+    return isinstance(error, TimeoutError) or getattr(error, "kind", None) == WriteInDoubt.__name__

@@ -107,6 +107,15 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
+
+class RankCallError(RuntimeError):
+    """A call that failed on follower `rank`, with the name of the exception it raised there
+    (`kind`: e.g. "WriteInDoubt", which the caller may tell from other failures)."""
+
+    def __init__(self, rank: int, kind: str, message: str) -> None:
+        super().__init__(f"TP rank {rank}: {kind}: {message}")
+        self.rank, self.kind = rank, kind
+
 class Calls:
     """One end of the KV call socket between rank 0 and a follower: messages (a length, then a
     pickle) both ways, sent under a lock from any thread. Rank 0 sends ("call", id, op, args)
@@ -239,7 +248,7 @@ class Ranks:
                 if future is None:
                     continue
                 if error is not None:
-                    future.set_exception(RuntimeError(f"TP rank {rank}: {error}"))
+                    future.set_exception(RankCallError(rank, *error))
                 else:
                     future.set_result(value)
         except (EOFError, OSError):
@@ -416,7 +425,7 @@ def _serve_calls(calls: Calls, model: ModelRunner, rank: int) -> None:
             reply: tuple[Any, ...] = ("reply", key, None, value)
         except Exception as e:  # the call fails at rank 0, with this message
             log.warning("KV call %s: %s", op, e)
-            reply = ("reply", key, f"{type(e).__name__}: {e}", None)
+            reply = ("reply", key, (type(e).__name__, str(e)), None)
         with contextlib.suppress(OSError):
             calls.send(reply)
 

@@ -225,3 +225,17 @@ def test_head_rows_are_each_page_layer_kv_and_token_row_of_the_shares_heads() ->
     full, size = head_rows(np.array([4]), (0, 2), Share(0, 0, 0, 2), layout)
     assert np.array_equal(full, 4 * page + np.arange(8) * size) and 8 * size == page
     assert whole(Share(0, 0, 0, 2), (0, 2), (0, 2)) and not whole(share, held, (3, 4))
+
+
+def test_a_follower_s_write_in_doubt_is_told_by_its_kind_not_its_message() -> None:
+    """A follower's failed call comes back as a RankCallError naming the exception's type: the
+    sender holds a room in doubt only for a WriteInDoubt there (or no answer in time)."""
+    from runtime.disagg.sender import _in_doubt
+    from runtime.scheduler.ranks import RankCallError
+
+    doubt = RankCallError(1, "WriteInDoubt", "nixl WRITE for room 7 not done in 60.0 s")
+    assert _in_doubt(doubt) and str(doubt) == (
+        "TP rank 1: WriteInDoubt: nixl WRITE for room 7 not done in 60.0 s")
+    assert _in_doubt(TimeoutError())
+    assert not _in_doubt(RankCallError(2, "TransferError", "peer said: WriteInDoubt: no"))
+    assert not _in_doubt(RuntimeError("TP rank 1 is gone"))
