@@ -129,15 +129,21 @@ def test_paged_extend_matches_float64(dtype: torch.dtype, page_size: int, head_d
     pool, table, rows = setup(dtype, lens, page_size, head_dim=head_dim)
     total = sum(n for _, n in pairs)
     q = torch.randn(total, 9, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    check_extend(pool, 2, q, table, rows, pairs, dtype)
+
+
+def check_extend(pool: KVPool, layer: int, q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                 pairs: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """paged_extend of `q` (each request's new tokens, one after another) in `layer`, against
+    float64 over what the pool reads, request by request ((prefix, new tokens) each)."""
     starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
     out = paged_extend(
-        pool, 2, q, table, rows, torch.tensor(starts, device=DEVICE),
+        pool, layer, q, table, rows, torch.tensor(starts, device=DEVICE),
         torch.tensor([n for _, n in pairs], device=DEVICE),
         torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2).run()
     for i, (prefix, n) in enumerate(pairs):
-        slots = table[rows[i], : prefix + n]
-        pos = torch.arange(prefix, prefix + n, device=DEVICE)
-        ref = reference(pool, 2, q[starts[i] : starts[i] + n], slots, pos, 0.2)
+        ref = reference(pool, layer, q[starts[i] : starts[i] + n], table[rows[i], : prefix + n],
+                        torch.arange(prefix, prefix + n, device=DEVICE), 0.2)
         close(out[starts[i] : starts[i] + n], ref, dtype)
 
 
@@ -152,15 +158,7 @@ def test_fp8_pages_decode_and_extend_as_float64_of_what_the_pool_reads(dtype: to
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(sum(n for _, n in pairs), 9, 32, generator=gen).to(dtype).to(DEVICE)
     dq = torch.randn(len(lens), 9, 32, generator=gen).to(dtype).to(DEVICE)
-    starts = [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]
-    out = paged_extend(
-        pool, 1, q, table, rows, torch.tensor(starts, device=DEVICE),
-        torch.tensor([n for _, n in pairs], device=DEVICE),
-        torch.tensor([p for p, _ in pairs], device=DEVICE), max(n for _, n in pairs), 0.2).run()
-    for i, (prefix, n) in enumerate(pairs):
-        ref = reference(pool, 1, q[starts[i] : starts[i] + n], table[rows[i], : prefix + n],
-                        torch.arange(prefix, prefix + n, device=DEVICE), 0.2)
-        close(out[starts[i] : starts[i] + n], ref, dtype)
+    check_extend(pool, 1, q, table, rows, pairs, dtype)
     out = paged_decode(pool, 2, dq, table, rows, torch.tensor(lens, device=DEVICE), 0.2).run()
     for b, n in enumerate(lens):
         ref = reference(pool, 2, dq[b : b + 1], table[rows[b], :n],
