@@ -5,7 +5,7 @@ recomputed: the prefill sees no request for them. Each stream goes on token-exac
 once (/generate streams, and chat streams whose `stream_interval` leaves tokens due at the move),
 with one finish and one usage; the KV canary (raise) finds every moved slot the stream's own;
 the draining decode exits 0 and the survivors' KV is free. A draining decode of two TP ranks
-moves its streams to a one-rank decode the same way."""
+moves its streams to a one-rank decode the same way, and fp8 KV pages move as any others."""
 
 from __future__ import annotations
 
@@ -70,16 +70,19 @@ def requests_done(url: str) -> float:
 
 
 @pytest.mark.parametrize(("backend", "victim_tp"), [("tcp", 2), ("nixl", 1)],
-                         ids=["tcp-tp2-victim", "nixl"])
+                         ids=["tcp-tp2-victim", "nixl-fp8-kv"])
 def test_a_draining_decode_moves_its_streams_with_their_kv(sharp_tiny_path: Path, tmp_path: Path,
                                                            backend: str, victim_tp: int) -> None:
     """Over tcp the draining decode runs two TP ranks and the taker one: each rank's KV heads
-    leave as a share (runtime/disagg/shares.py), both into the taker's pages."""
+    leave as a share (runtime/disagg/shares.py), both into the taker's pages. Over nixl every
+    server keeps fp8 KV pages (--kv-cache-dtype fp8_e4m3): they move as bytes with their
+    scales, and the streams equal their undisturbed fp8 runs."""
     if backend == "nixl":
         pytest.importorskip("nixl")  # a decode's own nixl agent writes into the other's pool
     victim = ("--tp", str(victim_tp)) if victim_tp > 1 else ()
-    dep = deploy(sharp_tiny_path, tmp_path, 1, 2, prefill_args=(*NAMED, *CANARY),
-                 decode_args=(*ROOMY, *NAMED, *CANARY), move_kv=True, backend=backend,
+    pages = ("--kv-cache-dtype", "fp8_e4m3") if backend == "nixl" else ()
+    dep = deploy(sharp_tiny_path, tmp_path, 1, 2, prefill_args=(*NAMED, *CANARY, *pages),
+                 decode_args=(*ROOMY, *NAMED, *CANARY, *pages), move_kv=True, backend=backend,
                  first_decode_args=victim)
     try:
         undisturbed = asyncio.run(streams(dep.router.url))
