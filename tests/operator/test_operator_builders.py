@@ -204,6 +204,12 @@ def test_both_worker_pools_carry_the_spec_revision() -> None:
 
     base, same = revisions()
     assert base == same and len(base) == 12
+    # the spec cannot set its own: one BATON_REVISION, the operator's
+    env = main_container(build_deployment(service(decode={"env": [
+        {"name": "BATON_REVISION", "value": "mine"}]}), "decode"))["env"]
+    assert [e for e in env if e["name"] == "BATON_REVISION"] == [
+        {"name": "BATON_REVISION", "value": revisions(decode={"env": [
+            {"name": "BATON_REVISION", "value": "mine"}]})[1]}]
     assert "baton.dev/revision" not in build_deployment(service(), "router")["spec"]["template"][
         "metadata"]["labels"]
     unchanged = [{"decode": {"replicas": 4}},

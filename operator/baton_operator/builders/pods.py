@@ -119,8 +119,9 @@ def build_worker_pod(svc: InferenceService, role: WorkerRole) -> dict[str, Any]:
     pod = _worker_pod(svc, role)
     revision = spec_revision(svc)
     pod["metadata"]["labels"][LABEL_REVISION] = revision
-    container = pod["spec"]["containers"][0]
-    container["env"] = [*container["env"], {"name": REVISION_ENV, "value": revision}]
+    container = pod["spec"]["containers"][0]  # the operator's value, over any of the spec's
+    container["env"] = [*(e for e in container["env"] if e.get("name") != REVISION_ENV),
+                        {"name": REVISION_ENV, "value": revision}]
     return pod
 
 
