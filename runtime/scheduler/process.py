@@ -34,7 +34,6 @@ from runtime.messages import (
     CacheQuery,
     CacheReport,
     DrainRequest,
-    FinishReason,
     GenerateRequest,
     KVEvents,
     Message,
@@ -185,11 +184,13 @@ class SchedulerLoop:
             return self.scheduler.step()
         except HttpGone:
             raise
-        except Exception as e:  # the process exits: end every request in flight first
-            rids = self.inflight()
-            log.exception("scheduler step failed; aborting %d requests", len(rids))
-            reason = FinishReason("abort", message=f"internal error: {e}")
-            self._send_outputs([ReqOutput(rid, [], 0, 0, finished_reason=reason) for rid in rids])
+        except Exception:
+            # The process exits, and the HTTP process fails every request in flight as lost
+            # (an error event, a 503: TokenizerManager.scheduler_died), which a router follows
+            # elsewhere. Never a finish: an "abort" finish would end a stream as if answered,
+            # and under TP a failed collective (a rank gone) lands here before the rank's exit.
+            log.exception("scheduler step failed with %d requests in flight; exiting",
+                          len(self.inflight()))
             raise
 
     def inflight(self) -> set[str]:

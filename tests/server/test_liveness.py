@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.server_process import ServerProcess
 
@@ -62,12 +63,17 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], seen:
     return got
 
 
-def test_a_dead_scheduler_fails_its_requests_it_does_not_finish_them(tiny_path: Path, tmp_path: Path) -> None:
-    """kill -9 of the scheduler process alone, mid-stream: each stream gets an error event after
-    its tokens (never a finish_reason, which a router would pass on as a short answer), a
-    request with no response yet a 503, and the server exits 1."""
-    srv = ServerProcess("--served-model-name", "tiny", model=str(tiny_path),
-                        log_path=tmp_path / "server.log")
+@pytest.mark.parametrize("death", ["killed", "step-fails"])
+def test_a_dead_scheduler_fails_its_requests_it_does_not_finish_them(
+        tiny_path: Path, tmp_path: Path, death: str) -> None:
+    """The scheduler process dies mid-stream, by kill -9 or by a step that raises (a bug, or a
+    failed collective when a TP rank is gone): each stream gets an error event after its
+    tokens (never a finish_reason, which a router would pass on as a short answer), a request
+    with no response yet a 503, and the server exits 1."""
+    failing = (("--plugin", "tests.server.failing_step", "--attention-backend", "failing-step")
+               if death == "step-fails" else ())
+    srv = ServerProcess("--served-model-name", "tiny", *failing, model=str(tiny_path),
+                        log_path=tmp_path / "server.log", env={"BATON_TEST_FAIL_AFTER_STEPS": "40"})
     srv.wait_ready()
     sampling = {"temperature": 0, "max_new_tokens": 4000, "ignore_eos": True}
     native = {"text": "hello", "stream": True, "sampling_params": sampling}
@@ -85,7 +91,8 @@ def test_a_dead_scheduler_fails_its_requests_it_does_not_finish_them(tiny_path: 
             while min(s[0] for s in seen) < 5:
                 assert time.monotonic() < deadline and not any(s.done() for s in streams), seen
                 await asyncio.sleep(0.01)
-            os.kill(srv.scheduler_pid(), signal.SIGKILL)
+            if death == "killed":
+                os.kill(srv.scheduler_pid(), signal.SIGKILL)
             a, b = await asyncio.gather(*streams)
             return a, b, await whole
 
