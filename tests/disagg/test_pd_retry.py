@@ -105,6 +105,7 @@ def prompt(i: int) -> str:
 
 
 STREAMED: dict[int, int] = {}  # request i -> tokens its stream has delivered so far
+UNDISTURBED: dict[str, list[list[int]]] = {}  # a case's undisturbed outputs, for its params
 
 
 async def ask(http: httpx.AsyncClient, url: str, i: int, stream: bool | None = None,
@@ -217,7 +218,10 @@ def test_a_decode_killed_mid_stream_costs_its_clients_nothing(two_decodes: Deplo
     TP ranks and only its follower dies: the whole server goes, no rank left behind, and its
     streams go on elsewhere within 30 s."""
     dep = two_decodes
-    undisturbed = asyncio.run(ask_all(dep.router.url, 8, stream=True, max_new=LONG))
+    if "decode-kill" not in UNDISTURBED:  # the same greedy tokens on any deployment: once
+        UNDISTURBED["decode-kill"] = asyncio.run(ask_all(dep.router.url, 8, stream=True,
+                                                         max_new=LONG))
+    undisturbed = UNDISTURBED["decode-kill"]
     victim = dep.decodes[0]
     in_flight = f'baton_router_worker_in_flight{{role="decode",worker="{victim.url}"}}'
     ranks = [victim.scheduler_pid(), *followers(victim)] if part == "rank" else []

@@ -36,10 +36,10 @@ from tests.up_process import Up
 
 pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 12
-# (prefill tp, decode tp): each page split in two by one prefill rank; two KV heads copied over
-# 4 prefill ranks, of which ranks 0 and 2 send, rank to rank (equal TP is that case's simplest
-# form). Both halves of each decode page from two prefill ranks: through `baton up`, below.
-COMBOS = [(1, 2), (4, 2)]
+# (prefill tp, decode tp): two KV heads copied over 4 prefill ranks, of which ranks 0 and 2
+# send, rank to rank. Both halves of each decode page from two prefill ranks: through `baton
+# up`, below; every pair of 1 and 2 ranks, and 3 ranks on the builtin model: test_pd_tp_pairs.py.
+COMBOS = [(4, 2)]
 CANARY = ("--kv-canary", "raise", "--kv-canary-bytes", "all")
 
 
