@@ -126,7 +126,7 @@ def restore_patch(live: Mapping[str, Any], desired: Mapping[str, Any],
         have = live.get(key)
         if here in atomic:
             if have != want:
-                patch[key] = _replacement(have, want)
+                patch[key] = replacement(have, want)
         elif isinstance(want, Mapping) and isinstance(have, Mapping):
             sub = restore_patch(have, want, atomic, here)
             if sub:
@@ -149,14 +149,14 @@ def covers(have: Any, want: Any) -> bool:
     return bool(have == want)
 
 
-def _replacement(have: Any, want: Any) -> Any:
+def replacement(have: Any, want: Any) -> Any:
     """A merge patch value that makes `have` exactly `want` (nulls for keys it must lose)."""
     if not (isinstance(have, Mapping) and isinstance(want, Mapping)):
         return copy.deepcopy(want)
     patch: dict[str, Any] = {key: None for key in have if key not in want}
     for key, value in want.items():
         if have.get(key) != value:
-            patch[key] = _replacement(have.get(key), value)
+            patch[key] = replacement(have.get(key), value)
     return patch
 
 

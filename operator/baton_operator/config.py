@@ -23,6 +23,7 @@ class OperatorConfig:
     # empty: serving-signal autoscaling goes through the custom metrics API only.
     prometheus_url: str = ""
     metrics_port: int = 0  # the operator's own /metrics (chart value metrics.operatorPort); 0: off
+    plan_seconds: float = 30.0  # how often the P:D planner reads the figures (planning.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -38,4 +39,5 @@ class OperatorConfig:
                           cuda=env.get("BATON_OPERATOR_IMAGE_CUDA") or Images.cuda),
             prometheus_url=env.get("BATON_OPERATOR_PROMETHEUS_URL", "").strip(),
             metrics_port=int(env.get("BATON_OPERATOR_METRICS_PORT") or 0),
+            plan_seconds=float(env.get("BATON_OPERATOR_PLAN_SECONDS", cls.plan_seconds)),
         )

@@ -9,6 +9,8 @@ Every cause runs the same complete pass over the service, reading it afresh:
 - a container of a worker pod ending with exit code 2, the runtime's refusal of its
   configuration (refusal.py): the pass reports it and holds the pool instead of a crash loop;
 - a resync timer, the safety net for anything missed.
+A second timer runs the P:D planner (planning.py) for the services with planner targets; under
+`mode: planner` a plan that changes a pool's replicas runs the pass that renders them.
 A spec that can never work gets Ready=False/InvalidSpec and a PermanentError (no retries);
 API trouble becomes a TemporaryError and kopf retries after a delay (a child event's pass,
 which kopf does not retry, is run again by `Retries`). Each pass asks the API's
@@ -28,14 +30,17 @@ import kopf
 import urllib3
 
 from baton_operator import API_VERSION, FINALIZER, GROUP, KIND, MANAGER, PLURAL, VERSION
+from baton_operator.apply import replacement
 from baton_operator.builders.common import LABEL_INSTANCE, LABEL_MANAGED_BY
 from baton_operator.capabilities import probe
 from baton_operator.config import OperatorConfig
 from baton_operator.gates import Claims, Gates, Retries
 from baton_operator.kube import ApiError, Kube
 from baton_operator.metrics import METRICS
+from baton_operator.planning import Planning, router_figures
 from baton_operator.reconcile import PassResult, owner_of, run_pass
 from baton_operator.refusal import EXIT_REFUSED
+from baton_operator.spec import InvalidSpec, parse_service
 from baton_operator.status import ready_event
 
 CONFIG = OperatorConfig.from_env()
@@ -66,6 +71,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = not CONFIG.cluster_scanning
     settings.watching.connect_timeout = 60
     settings.watching.server_timeout = 300
+    memo.planning = Planning(time.monotonic)
+    METRICS.explain = lambda: memo.planning.explained
     METRICS.serve(CONFIG.metrics_port)
     memo.kube = Kube.from_environment()
     memo.gates = Gates()
@@ -97,10 +104,47 @@ def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     _pass(memo, namespace or "default", name, skippable=True)
 
 
+def has_planner_targets(spec: kopf.Spec, **_: Any) -> bool:
+    autoscaling = spec.get("autoscaling")
+    return isinstance(autoscaling, Mapping) and "ttftTarget" in autoscaling
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.plan_seconds,
+            initial_delay=CONFIG.plan_seconds, when=has_planner_targets)
+def plan_pools(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """The P:D planner's turn: the router's figures, the plan, status.planner and the metric;
+    under mode: planner, the pass that renders a changed plan into the Deployments."""
+    namespace = namespace or "default"
+    with _api_errors():
+        body = memo.kube.get(API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            svc = parse_service(body, CONFIG.images)
+        except InvalidSpec:
+            return  # the pass reports it
+        if svc.planner is None:
+            return
+        decision = memo.planning.decide(svc, router_figures(memo.kube, svc))
+        METRICS.set_recommended(namespace, name, decision.recommended)
+        before = (body.get("status") or {}).get("planner")
+        if before != decision.status:
+            memo.kube.patch(API_VERSION, KIND, namespace, name,
+                            {"status": {"planner": replacement(before, decision.status)}},
+                            subresource="status")
+    if any(svc.planned_replicas(role) != n or role not in svc.planned
+           for role, n in decision.replicas.items()):
+        LOG.info("%s/%s: the planner sets %s", namespace, name, ", ".join(
+            f"{role} {n}" for role, n in decision.replicas.items()))
+        _pass_or_retry(memo, namespace, name)
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def forget(namespace: str | None, name: str, **_: Any) -> None:
-    """A deleted service leaves the operator's metrics (its children go by garbage collection)."""
+def forget(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted service leaves the operator's metrics and the planner's memory (its children
+    go by garbage collection)."""
     METRICS.forget(namespace or "default", name)
+    memo.planning.forget(namespace or "default", name)
 
 
 def child_handler(kind: str) -> Callable[..., None]:

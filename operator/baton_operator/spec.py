@@ -61,6 +61,10 @@ TARGETS = {"cpu": 80, "memory": 80, "kv": 80, "queue": 2048, "ttft": 1000, "itl"
 DEFAULT_METRIC = {"prefill": "queue", "decode": "kv"}
 # a prefill server makes one token per request: it has no inter-token latency
 NO_SIGNAL = {("prefill", "itl")}
+# spec.autoscaling.mode: metrics (an HPA / KEDA per pool, above) or planner (the operator sizes
+# both pools with the P:D planner, planning.py, toward ttftTarget and itlTarget)
+AUTOSCALING_MODES = ("metrics", "planner")
+PLANNER_COOLDOWN_S = 120  # default spec.autoscaling.cooldownSeconds
 
 _LONGEST_SUFFIX = len("-prefill")
 
@@ -152,6 +156,17 @@ class Autoscale:
 
 
 @dataclass(frozen=True)
+class PlannerSpec:
+    """spec.autoscaling's planner keys: the latency targets the P:D planner sizes the pools
+    for (planner.py) and whether it sets the replicas (`mode: planner`) or only recommends."""
+
+    ttft_ms: int
+    itl_ms: int
+    enact: bool = False
+    cooldown_s: int = PLANNER_COOLDOWN_S
+
+
+@dataclass(frozen=True)
 class InferenceService:
     """A parsed InferenceService: identity from metadata plus the defaulted, validated spec."""
 
@@ -170,9 +185,31 @@ class InferenceService:
     ingress: Ingress | None = None
     autoscaling: Mapping[str, Autoscale] = field(default_factory=dict)
     network_policy: NetworkPolicies = field(default_factory=NetworkPolicies)
+    planner: PlannerSpec | None = None  # spec.autoscaling.ttftTarget/itlTarget set
+    # status.planner.<role>.replicas: what the planner enacted (mode: planner), kept in the
+    # status so a restarted operator goes on from it
+    planned: Mapping[str, int] = field(default_factory=dict)
 
     def pool(self, role: WorkerRole) -> Pool:
         return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def planner_scaled(self) -> bool:
+        """The planner sets the worker pools' replicas (spec.autoscaling.mode: planner)."""
+        return self.planner is not None and self.planner.enact
+
+    def planned_replicas(self, role: WorkerRole) -> int:
+        """mode: planner: the pool's replicas, as the planner last enacted them, within its
+        min and max (before the first plan: its `replicas`, within them)."""
+        low, high = self.bounds(role)
+        return min(max(self.planned.get(role, self.pool(role).replicas), low), high)
+
+    def bounds(self, role: WorkerRole) -> tuple[int, int]:
+        """A worker pool's (min, max) replicas: its autoscaling's, else its replicas alone."""
+        scale = self.autoscaling.get(role)
+        if scale is None:
+            return self.pool(role).replicas, self.pool(role).replicas
+        return scale.min, scale.max
 
     def image_for(self, role: Role) -> str:
         """`spec.image`, else the CUDA image for a GPU pool and the CPU image for the rest."""
@@ -221,6 +258,8 @@ def parse_service(body: Mapping[str, Any], images: Images | None = None) -> Infe
                           "spec.kvTransfer.backend", KV_BACKENDS),
         ingress=_ingress(spec.get("ingress")),
         autoscaling=_autoscaling(mapping(spec.get("autoscaling"), "spec.autoscaling")),
+        planner=_planner(mapping(spec.get("autoscaling"), "spec.autoscaling")),
+        planned=_planned(body.get("status")),
         network_policy=_network_policy(mapping(spec.get("networkPolicy"), "spec.networkPolicy")),
     )
     for role in WORKER_ROLES:
@@ -341,12 +380,18 @@ def _ingress(raw: Any) -> Ingress | None:
     )
 
 
+_PLANNER_KEYS = ("mode", "ttftTarget", "itlTarget", "cooldownSeconds")
+
+
 def _autoscaling(raw: Mapping[str, Any]) -> dict[str, Autoscale]:
     result: dict[str, Autoscale] = {}
     for role, value in raw.items():
         where = f"spec.autoscaling.{role}"
+        if role in _PLANNER_KEYS:
+            continue
         if role not in WORKER_ROLES:
-            raise InvalidSpec(f"{where}: only prefill and decode pools autoscale")
+            raise InvalidSpec(f"{where}: only prefill and decode pools autoscale (and the "
+                              f"planner's keys: {', '.join(_PLANNER_KEYS)})")
         scale = mapping(value, where)
         low = integer(scale.get("min"), f"{where}.min", minimum=1)
         high = integer(scale.get("max"), f"{where}.max", minimum=1)
@@ -359,6 +404,44 @@ def _autoscaling(raw: Mapping[str, Any]) -> dict[str, Autoscale]:
             raise InvalidSpec(f"{where}.target {target}: {metric} takes a percentage, 1..100")
         result[role] = Autoscale(min=low, max=high, metric=metric, target=target)
     return result
+
+
+def _planner(raw: Mapping[str, Any]) -> PlannerSpec | None:
+    """The planner's targets (milliseconds) and mode. `mode: planner` needs both targets and
+    min/max for both pools; with `mode: metrics` (the default) targets only make it recommend."""
+    mode = choice(raw.get("mode", "metrics"), "spec.autoscaling.mode", AUTOSCALING_MODES)
+    ttft, itl = raw.get("ttftTarget"), raw.get("itlTarget")
+    cooldown = integer(raw.get("cooldownSeconds", PLANNER_COOLDOWN_S),
+                       "spec.autoscaling.cooldownSeconds", minimum=0)
+    if mode == "planner":
+        missing = [f"spec.autoscaling.{key}" for key, value in
+                   (("ttftTarget", ttft), ("itlTarget", itl), ("prefill", raw.get("prefill")),
+                    ("decode", raw.get("decode"))) if value is None]
+        if missing:
+            raise InvalidSpec(f"spec.autoscaling.mode planner needs {', '.join(missing)} (the "
+                              "targets it sizes the pools for, in milliseconds, and each pool's "
+                              "min and max)")
+    if ttft is None and itl is None:
+        return None
+    if ttft is None or itl is None:
+        raise InvalidSpec("spec.autoscaling: the planner needs both ttftTarget and itlTarget "
+                          "(milliseconds)")
+    return PlannerSpec(ttft_ms=integer(ttft, "spec.autoscaling.ttftTarget", minimum=1),
+                       itl_ms=integer(itl, "spec.autoscaling.itlTarget", minimum=1),
+                       enact=mode == "planner", cooldown_s=cooldown)
+
+
+def _planned(status: Any) -> dict[str, int]:
+    """status.planner.<role>.replicas as the planner last enacted them (ignored when mangled:
+    the pools then start again from their min)."""
+    planner = status.get("planner") if isinstance(status, Mapping) else None
+    out: dict[str, int] = {}
+    for role in WORKER_ROLES:
+        entry = planner.get(role) if isinstance(planner, Mapping) else None
+        replicas = entry.get("replicas") if isinstance(entry, Mapping) else None
+        if type(replicas) is int and replicas >= 0:
+            out[role] = replicas
+    return out
 
 
 def _template(raw: Any, where: str) -> Mapping[str, Any]:

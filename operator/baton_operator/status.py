@@ -263,6 +263,8 @@ def _ranks(svc: InferenceService, role: Role) -> dict[str, int]:
 
 
 def _fallback(svc: InferenceService, role: Role) -> int:
+    if role != "router" and svc.planner_scaled:
+        return svc.planned_replicas(role)
     scale = svc.autoscaling.get(role)
     return scale.min if scale is not None else svc.replicas(role)
 

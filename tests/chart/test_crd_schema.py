@@ -74,6 +74,7 @@ def test_printer_columns(crd):
         ("Policy", "string", ".spec.router.policy", 1),
         ("Prefill-TP", "integer", ".status.prefill.tensorParallelSize", 1),
         ("Decode-TP", "integer", ".status.decode.tensorParallelSize", 1),
+        ("Recommended", "string", ".status.planner.recommended", 1),
     ]
 
 
@@ -264,12 +265,35 @@ def test_bad_sample_is_rejected(crd_schema, sample):
             },
             "spec.autoscaling.prefill.metric",
         ),
+        ({"model": {"uri": "builtin:x"}, "autoscaling": {"mode": "auto"}}, "spec.autoscaling.mode"),
+        ({"model": {"uri": "builtin:x"}, "autoscaling": {"ttftTarget": 0, "itlTarget": 5}},
+         "spec.autoscaling.ttftTarget"),
+        ({"model": {"uri": "builtin:x"}, "autoscaling": {"cooldownSeconds": -5}},
+         "spec.autoscaling.cooldownSeconds"),
     ],
 )
 def test_invalid_specs_are_rejected(crd_schema, spec, where):
     found = errors(crd_schema, isvc(spec))
     assert found, f"accepted {spec}"
     assert any(where in e for e in found), found
+
+
+def test_a_planner_spec_validates_and_its_rules_are_cel(crd_schema):
+    """mode planner with both targets, a cooldown and both pools' bounds passes the schema;
+    the rules that tie keys together are CEL (the API server's), the operator's own checks
+    (tests/operator/test_operator_planning.py) say the same."""
+    spec = {"model": {"uri": "builtin:x"},
+            "autoscaling": {"mode": "planner", "ttftTarget": 500, "itlTarget": 60,
+                            "cooldownSeconds": 30, "prefill": {"min": 1, "max": 4},
+                            "decode": {"min": 1, "max": 3}}}
+    assert errors(crd_schema, isvc(spec)) == []
+    node = crd_schema["properties"]["spec"]["properties"]["autoscaling"]
+    rules = [rule["rule"] for rule in node["x-kubernetes-validations"]]
+    assert any("self.mode != 'planner'" in rule and "has(self.decode)" in rule for rule in rules)
+    assert "has(self.ttftTarget) == has(self.itlTarget)" in rules
+    planner = crd_schema["properties"]["status"]["properties"]["planner"]["properties"]
+    assert set(planner["prefill"]["properties"]) == {"recommended", "replicas", "met", "why",
+                                                     "action"}
 
 
 def test_autoscaling_min_not_above_max_is_a_cel_rule(crd_schema):

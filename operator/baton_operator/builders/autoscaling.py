@@ -5,7 +5,9 @@
 | cpu, memory   | HPA (autoscaling/v2), Resource utilization   | percent                |
 | queue, kv, ttft, itl | KEDA ScaledObject with a Prometheus trigger when KEDA is served and the operator knows a Prometheus address; else an HPA on a Pods metric when the custom metrics API is served (prometheus-adapter with the chart's rules); else nothing: the pool stays at `min` and the condition says why | tokens per pod, percent, milliseconds |
 
-A pool whose autoscaler exists leaves `spec.replicas` of its Deployment to it.
+A pool whose autoscaler exists leaves `spec.replicas` of its Deployment to it. With
+`spec.autoscaling.mode: planner` there is none: the operator's P:D planner (planning.py) sets
+both worker pools' replicas, and the Autoscaling condition says so.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ SIGNALS = {
 
 
 def scaler_for(scale: Autoscale, caps: Capabilities) -> Scaler | None:
-    """What scales a pool on this cluster; None when nothing can."""
+    """What scales a pool on this cluster by its metric; None when nothing can."""
     if scale.metric not in SIGNALS:
         return "hpa"  # cpu and memory: metrics-server, part of every cluster we target
     if caps.keda and caps.prometheus_url:
@@ -72,7 +74,8 @@ def scaler_for(scale: Autoscale, caps: Capabilities) -> Scaler | None:
 def autoscaled(svc: InferenceService, role: str, caps: Capabilities) -> bool:
     """Whether an autoscaler owns the pool's replicas."""
     scale = svc.autoscaling.get(role)
-    return scale is not None and scaler_for(scale, caps) is not None
+    return (scale is not None and not svc.planner_scaled
+            and scaler_for(scale, caps) is not None)
 
 
 def pool_selector(svc: InferenceService, role: WorkerRole) -> str:
@@ -86,7 +89,7 @@ def build_hpa(svc: InferenceService, role: WorkerRole, caps: Capabilities
               ) -> dict[str, Any] | None:
     """autoscaling/v2 HPA: Resource utilization, or a Pods metric of the custom metrics API."""
     scale = svc.autoscaling.get(role)
-    if scale is None or scaler_for(scale, caps) != "hpa":
+    if scale is None or svc.planner_scaled or scaler_for(scale, caps) != "hpa":
         return None
     name = child_name(svc, role)
     return {
@@ -117,7 +120,7 @@ def build_scaled_object(svc: InferenceService, role: WorkerRole, caps: Capabilit
                         ) -> dict[str, Any] | None:
     """keda.sh/v1alpha1 ScaledObject with one Prometheus trigger on the pool's signal."""
     scale = svc.autoscaling.get(role)
-    if scale is None or scaler_for(scale, caps) != "keda":
+    if scale is None or svc.planner_scaled or scaler_for(scale, caps) != "keda":
         return None
     signal = SIGNALS[scale.metric]
     name = child_name(svc, role)
@@ -144,6 +147,9 @@ def build_scaled_object(svc: InferenceService, role: WorkerRole, caps: Capabilit
 def autoscaling_condition(svc: InferenceService, caps: Capabilities) -> dict[str, Any] | None:
     """`Autoscaling` condition: True when every autoscaled pool has a scaler, else False
     naming what is missing. None when no pool autoscales."""
+    if svc.planner_scaled:
+        return {"type": "Autoscaling", "status": "True", "reason": "Planner",
+                "message": planner_mode(svc)}
     if not svc.autoscaling:
         return None
     how, missing = [], []
@@ -161,6 +167,15 @@ def autoscaling_condition(svc: InferenceService, caps: Capabilities) -> dict[str
                 "message": "; ".join(missing + how)}
     return {"type": "Autoscaling", "status": "True", "reason": "ScalerReady",
             "message": "; ".join(how)}
+
+
+def planner_mode(svc: InferenceService) -> str:
+    """How the planner scales the pools (spec.autoscaling.mode: planner)."""
+    assert svc.planner is not None
+    bounds = ", ".join(f"{role} {'..'.join(map(str, svc.bounds(role)))}" for role in WORKER_ROLES)
+    return (f"the P:D planner sets the replicas ({bounds}) for a mean TTFT of "
+            f"{svc.planner.ttft_ms} ms and an ITL of {svc.planner.itl_ms} ms, at most one "
+            f"change per pool every {svc.planner.cooldown_s} s (status.planner says why)")
 
 
 def _how(scale: Autoscale, scaler: Scaler) -> str:

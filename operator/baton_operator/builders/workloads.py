@@ -19,7 +19,8 @@ ROUTER_PROGRESS_DEADLINE = 600
 def build_deployment(svc: InferenceService, role: Role,
                      caps: Capabilities | None = None) -> dict[str, Any]:
     """A pool's Deployment. When its autoscaler exists, `spec.replicas` is left to it; an
-    autoscaled pool that nothing can scale on this cluster (`caps`) keeps `min`."""
+    autoscaled pool that nothing can scale on this cluster (`caps`) keeps `min`; under the
+    planner (spec.autoscaling.mode: planner) a worker pool has the replicas it enacted."""
     surge: int | str
     unavailable: int | str
     if role == "router":
@@ -41,7 +42,9 @@ def build_deployment(svc: InferenceService, role: Role,
         "template": template,
     }
     scale = svc.autoscaling.get(role)
-    if scale is None:
+    if role != "router" and svc.planner_scaled:
+        spec = {"replicas": svc.planned_replicas(role), **spec}
+    elif scale is None:
         spec = {"replicas": svc.replicas(role), **spec}
     elif not autoscaled(svc, role, caps):
         spec = {"replicas": scale.min, **spec}
