@@ -123,7 +123,10 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
         _disaggregation(svc, pools),
         *(dict(c) for c in extra),
     ]
+    # the planner's last plan (planning.py writes it) goes with its targets
+    gone = {"planner": None} if svc.planner is None and previous.get("planner") else {}
     return {
+        **gone,
         "phase": _phase(pools, ready, bool(problems), bool(failures or lost)),
         "observedGeneration": observed_generation,
         "url": svc.url,

@@ -10,11 +10,13 @@ deleting it removes everything it made.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e.cluster import REPO, LocalCluster
+from tests.e2e.cluster import OPERATOR_ENV, REPO, LocalCluster
 from tests.kube.isvc_helpers import Cluster, wait_for
 from tests.kube.kubectl_tool import helm, kubectl, run_kubectl, table_cells
 from tests.server.server_process import ServerProcess
@@ -41,6 +43,8 @@ ROUTER_OBJECTS = [("deployment", f"{NAME}-router"), ("service", NAME),
                   ("serviceaccount", f"{NAME}-router"), ("role", f"{NAME}-router"),
                   ("rolebinding", f"{NAME}-router")]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+PLANNER_WINDOW_S = 8
+PLAN_S = float(OPERATOR_ENV["BATON_OPERATOR_PLAN_SECONDS"])  # the operator plans this often
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,8 @@ def sample(local: LocalCluster) -> Path:
     service = yaml.safe_load(SAMPLE.read_text())
     for role in ("prefill", "decode"):
         service["spec"][role]["args"] = ["--max-total-tokens", str(KV_TOKENS)]
+    # the planner's figures over the last 8 s (60 by default): the e2e's loads are short
+    service["spec"]["router"]["args"] = ["--planner-window", str(PLANNER_WINDOW_S)]
     path = local.root / "inferenceservice.yaml"
     path.write_text(yaml.safe_dump(service))
     return path
@@ -227,6 +233,129 @@ def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,
     assert leaving["metadata"]["name"] not in [
         p["metadata"]["name"] for p in pods(cluster, "decode")]
     wait_for(lambda: not alive({process}), 60, "the leaving decode's process to exit")
+
+
+class Load:
+    """`clients` closed loops of /generate through the router until stopped: each request a
+    `prompt` of fixed length and exactly `tokens` new tokens; every answer is checked."""
+
+    def __init__(self, url: str, clients: int, prompt: str, tokens: int) -> None:
+        self.url, self.prompt, self.tokens = url, prompt, tokens
+        self.stop = threading.Event()
+        self.done, self.failures = 0, []  # type: ignore[var-annotated]
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+    def _loop(self) -> None:
+        body = {"text": self.prompt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": self.tokens, "ignore_eos": True}}
+        with httpx.Client(trust_env=False, timeout=120) as client:
+            while not self.stop.is_set():
+                try:
+                    r = client.post(f"{self.url}/generate", json=body)
+                    if r.status_code != 200 or len(r.json()["output_ids"]) != self.tokens:
+                        self.failures.append(f"{r.status_code}: {r.text[:300]}")
+                    else:
+                        self.done += 1
+                except httpx.HTTPError as e:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+
+
+def planner_status(cluster: Cluster) -> dict[str, Any]:
+    return dict(((cluster.get(NAME) or {}).get("status") or {}).get("planner") or {})
+
+
+def recommended(cluster: Cluster) -> tuple[int, int] | None:
+    """(prefill, decode) the planner recommends now; None without a plan."""
+    status = planner_status(cluster)
+    if "recommended" not in status:
+        return None
+    return status["prefill"]["recommended"], status["decode"]["recommended"]
+
+
+def figures(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/debug/planner", timeout=10, trust_env=False).json())
+
+
+def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
+        local: LocalCluster, cluster: Cluster) -> None:
+    """Targets set from a calibration (a prefill pod's measured prompt tokens per second and a
+    decode pod's measured step time alone), so the test holds on any machine:
+    - recommend only (targets, mode metrics): a prefill-heavy load (long prompts, two tokens
+      each, three clients) recommends more prefill pods than decode pods and more than a
+      decode-heavy load (short prompts, many tokens, eight clients) does; that one recommends
+      more decode pods than the prefill-heavy one;
+    - mode planner (each pool 1..2): under the decode-heavy load the decode pool goes to two
+      pods and the prefill pool stays at one; with the load steady, nothing changes over ten
+      plans; with the load gone, the decode pool comes back to one after its cooldown;
+    - no request of any load fails."""
+    url = router_url(cluster)
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # ~540 tokens
+    short_prompt = "Count from one to one hundred."
+    with Load(url, 1, long_prompt, 2) as calibrate:
+        wait_for(lambda: calibrate.done >= 3, 120, "calibration requests")
+    with Load(url, 1, short_prompt, 64) as calibrate_decode:
+        wait_for(lambda: calibrate_decode.done >= 2, 120, "calibration requests")
+    calibration = figures(url)
+    assert not calibrate.failures and not calibrate_decode.failures
+    prefill_s = calibration["prompt_tokens"]["mean"] / calibration["prefill_tokens_per_s"]
+    step_s = min(itl for _, itl in calibration["decode_steps"])
+    # one prefill pod kept busy by three clients misses 3x a long prompt's prefill time; a
+    # decode pod's step at eight streams misses 1.15x its step at one
+    ttft_ms, itl_ms = max(1, round(3000 * prefill_s)), max(1, round(1150 * step_s))
+    targets = {"ttftTarget": ttft_ms, "itlTarget": itl_ms}
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                json.dumps({"spec": {"autoscaling": targets}}))
+
+    def settled_plan() -> tuple[int, int]:
+        """The recommendation once the router's window holds only the running load's."""
+        time.sleep(PLANNER_WINDOW_S + 2)
+        return wait_for(lambda: recommended(cluster), 30,
+                        lambda: f"a plan; status.planner {planner_status(cluster)}")
+
+    with Load(url, 3, long_prompt, 2) as prefill_heavy:
+        p_heavy = settled_plan()
+    with Load(url, 8, short_prompt, 48) as decode_heavy:
+        d_heavy = settled_plan()
+    assert not prefill_heavy.failures and not decode_heavy.failures
+    explained = planner_status(cluster)
+    assert p_heavy[0] > p_heavy[1] and p_heavy[0] > d_heavy[0], (p_heavy, d_heavy, explained)
+    assert d_heavy[1] > p_heavy[1], (p_heavy, d_heavy, explained)
+    (row,) = table_cells(run_kubectl("get", "bisvc", "-o", "wide"))
+    assert re.fullmatch(r"\d+:\d+", row["RECOMMENDED"]), row
+
+    planner = {**targets, "mode": "planner", "cooldownSeconds": 6,
+               "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2}}
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                json.dumps({"spec": {"autoscaling": planner}}))
+    with Load(url, 8, short_prompt, 48) as steady:
+        wait_for(lambda: ready_decodes(url) == 2, READY_S,
+                 lambda: f"a second decode; status.planner {planner_status(cluster)}")
+        assert len(pods(cluster, "prefill")) == 1, planner_status(cluster)
+        seen = set()
+        for _ in range(10):  # ten plans at a steady load: the pools stay
+            time.sleep(PLAN_S)
+            status = planner_status(cluster)
+            seen.add((status["prefill"]["replicas"], status["decode"]["replicas"]))
+        assert seen == {(1, 2)}, (seen, planner_status(cluster))
+    assert not steady.failures, steady.failures[:3]
+    assert steady.done > 0
+    wait_for(lambda: ready_decodes(url) == 1, 90,
+             lambda: f"back to one decode; status.planner {planner_status(cluster)}")
+    condition = cluster.condition(NAME, "Autoscaling")
+    assert (condition["status"], condition["reason"]) == ("True", "Planner"), condition
+    run_kubectl("patch", "bisvc", NAME, "--type=json", "-p",
+                '[{"op": "remove", "path": "/spec/autoscaling"}]')
+    wait_for(lambda: cluster.condition(NAME, "Autoscaling") == {}, 30, "autoscaling off")
 
 
 def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,

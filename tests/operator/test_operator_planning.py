@@ -21,6 +21,7 @@ from baton_operator.capabilities import Capabilities
 from baton_operator.metrics import OperatorMetrics
 from baton_operator.planning import Figures, History, Planning, step
 from baton_operator.spec import InferenceService, InvalidSpec, parse_service
+from baton_operator.status import compute_status
 
 from tests.kube.operator_process import free_port
 from tests.operator.test_operator_builders import UID
@@ -206,3 +207,12 @@ def test_the_operator_serves_its_explanation_and_the_recommendation_metric() -> 
     line = ('baton_recommended_replicas{name="llm",namespace="ml",role="prefill"} '
             f'{float(decision.recommended["prefill"])}')
     assert line in text
+
+
+def test_the_plan_leaves_the_status_with_its_targets() -> None:
+    """Targets removed: the next pass clears status.planner (no stale RECOMMENDED)."""
+    previous = {"planner": {"recommended": "2:1"}}
+    gone = compute_status(service({}), {}, previous, 1)
+    assert gone["planner"] is None
+    kept = compute_status(service(PLANNER), {}, previous, 1)
+    assert "planner" not in kept  # the planner's own status write owns it
