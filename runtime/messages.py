@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.figures import ForwardTotals, Moments, ServingFigures
 from runtime.handover import Bootstrap, Handover, KVOffer
 
 # "moved" and "drained" end a decode's stream that goes on elsewhere (runtime/handover.py):
@@ -191,6 +192,9 @@ class SchedulerStats:
     canary: CanaryStats | None = None  # None: the KV canary is off
     # since start: running requests retracted to free KV (re-prefilled later from their tokens)
     retractions: int = field(default=0, compare=False)
+    # since the server became ready, for the P:D planner (runtime/figures.py); it rises every
+    # step, so it rides along with the next stats message rather than causing one
+    figures: ServingFigures = field(default_factory=ServingFigures, compare=False)
 
 
 @dataclass
@@ -283,6 +287,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     KVEvents,
     PrefixCacheStats,
     CanaryStats,
+    ServingFigures,  # inside SchedulerStats, with its Moments and ForwardTotals
+    Moments,
+    ForwardTotals,
     DrainRequest,
     ShutdownRequest,
     SchedulerReady,

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from runtime.codec import CodecError, decode, encode
+from runtime.figures import Moments, ServingFigures
 from runtime.handover import Bootstrap, KVOffer
 from runtime.messages import (
     AbortRequest,
@@ -44,6 +45,14 @@ MESSAGES = [
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg: object) -> None:
     assert decode(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+def test_figures_ride_along_with_the_stats() -> None:
+    """Not compared (they change every step), so checked here: they arrive as they left."""
+    figures = ServingFigures(3, Moments(2, 30, 500), Moments(1, 8, 64))
+    figures.forwards["decode"].add(4, 0.25)
+    back = decode(encode(SchedulerStats(figures=figures)))
+    assert isinstance(back, SchedulerStats) and back.figures == figures
 
 
 def test_tuples_travel_as_lists() -> None:

@@ -3,7 +3,8 @@
 `POST /generate`, `/v1/completions`, `/v1/chat/completions`: pick a (prefill, decode) pair of
 ready workers by policy and forward (`proxy.py`). `GET /health` 200 while up; `GET /ready` 200
 when at least one prefill and one decode worker are ready; `GET /metrics` (Prometheus);
-`GET /v1/models` from a ready decode worker; `POST /abort {"rid"}` to every worker. Errors
+`GET /v1/models` from a ready decode worker; `POST /abort {"rid"}` to every worker;
+`GET /debug/planner`: the P:D planner's figures over the last `--planner-window-s`. Errors
 are JSON `{"error": {"message", "type", "code", "param"}}`.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from runtime.auth.api_keys import ApiKeyGate, ApiKeys
 from runtime.auth.key import load_cluster_key, warn_if_open
 from runtime.body_limit import BodyLimit
-from runtime.router.config import DnsName, Role, RouterConfig
+from runtime.router.config import ROLES, DnsName, Role, RouterConfig
 from runtime.router.discovery import (
     Discovery,
     DnsDiscovery,
@@ -35,6 +37,7 @@ from runtime.router.discovery import (
 )
 from runtime.router.errors import RouterError, UpstreamFailure, unavailable
 from runtime.router.exchange import Exchange
+from runtime.router.figures import PlannerFigures
 from runtime.router.health import HealthChecker
 from runtime.router.kv_index import KVIndex, follow
 from runtime.router.metrics import RouterMetrics
@@ -73,9 +76,10 @@ class Router:
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             auth=self._present_key)
         self.proxy = Proxy(self.client, self.metrics, config)
+        self.planner = PlannerFigures(config.planner_window_s)  # fed by the health checks
         self.health = HealthChecker(self.client, self.workers, self.metrics,
                                     config.health_interval_s, config.health_timeout_s,
-                                    config.health_failures)
+                                    config.health_failures, self.planner)
         self.key = load_cluster_key(config.cluster_key_file)
         warn_if_open(self.key, "the router (its workers take unsigned rooms)")
         self.pairing = Pairing(config, self.workers, self.pairs, self.policy, self.tokenizer,
@@ -113,6 +117,7 @@ class Router:
         for worker in left:
             self.metrics.forget_worker(worker.role, worker.url)
             self.pairs.forget(worker)
+            self.planner.forget(worker.url)
             follower = self.followers.pop(worker.url, None)
             if follower is not None:
                 follower.cancel()  # and its view goes with it
@@ -268,6 +273,12 @@ def _add_routes(app: FastAPI, router: Router) -> None:
     async def pairs() -> dict[str, Any]:
         """Health per (prefill, decode) pair: state, counts, quarantine, latency."""
         return {"pairs": router.pairs.view({w.url: w for w in router.workers.all()})}
+
+    @app.get("/debug/planner", include_in_schema=False)
+    async def planner() -> dict[str, Any]:
+        """The P:D planner's figures, measured (runtime/router/figures.py)."""
+        ready = {role: len(router.workers.pool(role).ready()) for role in ROLES}
+        return router.planner.view(ready, time.monotonic())
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index() -> dict[str, Any]:

@@ -129,8 +129,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protect-metrics", action="store_true",
                    help="require a key for /metrics too (/health and /ready stay open)")
     p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help="with API keys on, /debug/pairs and /debug/kv_index need this key (also "
-                   "$BATON_ADMIN_API_KEY; without one nobody reads them)")
+                   help="with API keys on, /debug/pairs, /debug/kv_index and /debug/planner need "
+                   "this key (also $BATON_ADMIN_API_KEY; without one nobody reads them)")
+    _seconds(p, "--planner-window-s", DEFAULT.planner_window_s,
+             "GET /debug/planner shows what the workers computed over this last stretch")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT.max_body_bytes,
                    help="a larger request body gets 413 before the rest is read (default: "
                    f"{DEFAULT.max_body_bytes}, as the workers')")
@@ -179,7 +181,7 @@ def parse_router_args(argv: list[str]) -> RouterConfig:
         cluster_key_file=ns.cluster_key_file, api_key=tuple(ns.api_key),
         api_key_file=ns.api_key_file, protect_metrics=ns.protect_metrics,
         admin_api_key=ns.admin_api_key,
-        max_body_bytes=ns.max_body_bytes,
+        max_body_bytes=ns.max_body_bytes, planner_window_s=ns.planner_window_s,
     )
 
 

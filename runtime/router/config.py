@@ -81,4 +81,5 @@ class RouterConfig:
     protect_metrics: bool = False
     admin_api_key: str | None = None  # with API keys on, /debug/ needs it (else: nobody)
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets 413, as on the workers
+    planner_window_s: float = 60.0  # GET /debug/planner: the figures of the last this many s
     log_level: str = "info"

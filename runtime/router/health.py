@@ -4,7 +4,8 @@ A worker that answers anything but 200, or refuses the connection, is out at onc
 does not answer in time is out after `failures` such polls in a row (a busy worker may be slow
 to answer once). Its next 200 brings it back. A prefill/decode worker's 200 also says its KV
 transfer backend and layout (`kv_transfer`): the router pairs only workers that agree, and says
-so in its own /ready (and log) when none do.
+so in its own /ready (and log) when none do. Every 200's body also carries the worker's figures,
+which go to the P:D planner's view (runtime/router/figures.py).
 
 A request whose retry finds no ready pair does not wait for the next interval: `recheck` polls
 the workers that are out at once (one poll at a time, shared by every request waiting).
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import httpx
 
+from runtime.router.figures import PlannerFigures
 from runtime.router.metrics import RouterMetrics
 from runtime.router.workers import Worker, Workers
 
@@ -28,8 +31,10 @@ RECHECK_S = 0.25  # a recheck's pause after its poll: how often a waiting retry 
 
 class HealthChecker:
     def __init__(self, client: httpx.AsyncClient, workers: Workers, metrics: RouterMetrics,
-                 interval: float, timeout: float, failures: int = 1):
+                 interval: float, timeout: float, failures: int = 1,
+                 figures: PlannerFigures | None = None):
         self.client, self.workers, self.metrics = client, workers, metrics
+        self.figures = figures or PlannerFigures()
         self.interval, self.timeout, self.failures = interval, timeout, failures
         self.unready: str | None = "starting"  # the reason last logged
         self.rechecking: asyncio.Task[None] | None = None  # the shared poll, if one runs
@@ -75,9 +80,10 @@ class HealthChecker:
             ready, why = response.status_code == 200, f"status {response.status_code}"
             worker.unanswered = 0
             if ready:
-                worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(
-                    response)
-                worker.tp, worker.revision = _shown(response)
+                body = _body(response)
+                worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(body)
+                worker.tp, worker.revision = _shown(body)
+                self.figures.observe(worker.role, worker.url, body, time.monotonic())
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
         except httpx.HTTPError as e:
@@ -92,29 +98,26 @@ class HealthChecker:
         worker.ready = ready
 
 
-def _shown(response: httpx.Response) -> tuple[int, str | None]:
-    """A worker's TP size (1 when it does not say) and revision (None), from its /ready body:
-    shown, not paired by (the revision pairs through the KV layout)."""
+def _body(response: httpx.Response) -> dict[str, Any]:
+    """A /ready body as a JSON object ({} when it is none)."""
     try:
         body = response.json()
     except ValueError:
-        return 1, None
-    if not isinstance(body, dict):
-        return 1, None
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _shown(body: dict[str, Any]) -> tuple[int, str | None]:
+    """A worker's TP size (1 when it does not say) and revision (None), from its /ready body:
+    shown, not paired by (the revision pairs through the KV layout)."""
     tp, revision = body.get("tp", 1), body.get("revision")
     return (tp if type(tp) is int and tp >= 1 else 1,
             revision if isinstance(revision, str) and len(revision) <= 64 else None)
 
 
-def _kv_transfer(response: httpx.Response) -> tuple[dict[str, Any] | None, str | None, bool]:
+def _kv_transfer(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None, bool]:
     """A prefill/decode worker's backend and KV layout, its instance id (None where absent),
     and whether it prefills requests without a room itself, from its /ready body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return None, None, False
-    if not isinstance(body, dict):
-        return None, None, False
     kv, instance = body.get("kv_transfer"), body.get("instance_id")
     return ((kv if isinstance(kv, dict) else None),
             (instance if isinstance(instance, str) else None), body.get("local_prefill") is True)

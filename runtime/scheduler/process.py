@@ -27,6 +27,7 @@ import zmq
 
 from runtime.codec import decode
 from runtime.config import ServerArgs
+from runtime.figures import ServingFigures
 from runtime.lifecycle import die_with_parent
 from runtime.messages import (
     AbortRequest,
@@ -115,6 +116,7 @@ class SchedulerLoop:
         self.plane: KVPlane | None = None  # prefill and decode: opened with the role, closed after it
         self.need_step = False  # an abort leaves an output to emit even with no other work
         self.last_stats: SchedulerStats | None = None
+        self.warm_up_figures = ServingFigures()  # what the warm-up computed: not traffic
         self.last_sent = 0.0  # monotonic time of the last message to the HTTP process
         self.stopping = False
 
@@ -129,6 +131,7 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
         while self.scheduler.has_work():
             self.scheduler.step()
+        self.warm_up_figures = self.scheduler.figures.since(ServingFigures())
         if self.args.role != "colocated":
             from runtime.disagg.plane import open_plane
             from runtime.scheduler.roles import advertise_host
@@ -310,6 +313,7 @@ class SchedulerLoop:
             queued_prompt_tokens=self.scheduler.queued_prompt_tokens(),
             canary=self.scheduler.canary.stats.copy() if self.scheduler.canary is not None else None,
             retractions=self.scheduler.decode.num_retractions,
+            figures=self.scheduler.figures.since(self.warm_up_figures),
         )
 
     def _cache_stats(self) -> PrefixCacheStats | None:

@@ -4,7 +4,9 @@ For each request of the forward (the `Launched` snapshot), in order:
 - finished, aborted or retracted meanwhile: dropped (the forward was launched before we knew);
 - its KV canary check failed: it ends with an abort and its KV is discarded, reused by nobody;
 - otherwise its KV is written now (`computed_len`); an extend's prompt pages become reusable,
-  and a prompt chunk that is not the last samples nothing;
+  and a prompt chunk that is not the last samples nothing; the last one counts the prompt
+  tokens it computed in the figures, once per request (a retracted request's re-prefill, after
+  its first token, is not a new prompt);
 - else it takes its token. A `hand_off` request goes to the Handoffs instead of on here (a
   prefill's after its prompt; a draining decode's unless the token ends it); one that finished
   frees its KV.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.canary.monitor import CanaryMonitor
+from runtime.figures import ServingFigures
 from runtime.forward_batch import ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.handoff import Handoffs
@@ -56,11 +59,12 @@ class HostRows:
 
 class ResultProcessor:
     def __init__(self, kv: KVCacheManager, stop: StopCheck, handoffs: Handoffs,
-                 canary: CanaryMonitor | None) -> None:
+                 canary: CanaryMonitor | None, figures: ServingFigures) -> None:
         self.kv = kv
         self.stop = stop
         self.handoffs = handoffs
         self.canary = canary
+        self.figures = figures
 
     def process(self, done: Launched, out: ForwardOutput) -> list[Req]:
         """Apply `out` (on the host) to `done`'s requests; the ones with an output due."""
@@ -93,6 +97,8 @@ class ResultProcessor:
             self.kv.cache_progress(req)
             if not done.is_last_chunk[i]:
                 return False
+            if not req.output_ids:  # its prompt is prefilled
+                self.figures.prompts.add(len(req.origin_input_ids) - req.cached_tokens)
         rows.append_to(req, i)
         if req.hand_off and done.mode == "extend":  # prefill role: KV and first token
             self.handoffs.add(req)  # are here, the request is the role's now

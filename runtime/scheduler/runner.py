@@ -1,5 +1,5 @@
 """What the Scheduler needs around it: a runner for forwards, the record of a forward in flight,
-the count of forwards, and what ends a request."""
+the count of forwards, and what ends a request (counted in the figures when it finishes here)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from runtime.figures import ServingFigures
 from runtime.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from runtime.kvcache.manager import KVCacheManager
 from runtime.scheduler.future import FutureMap
@@ -53,6 +54,8 @@ class Launched:
     result: Future[ForwardOutput]
     future_indices: torch.Tensor | None = None  # overlap: the FutureMap slots it fills
     kv_lens: list[int] = field(default_factory=list)  # each request's kv_len once it wrote
+    tokens: int = 0  # its input tokens (a decode step: one a request)
+    launched_at: float = 0.0  # time.monotonic() when it was launched
 
 
 @dataclass
@@ -67,10 +70,16 @@ class ForwardCount:
 @dataclass(frozen=True)
 class StopCheck:
     """Ends a request after its newest token when that token ends it (`Req.check_finished`):
-    by the runner's EOS ids and context length, and stop strings through `decode_tail`."""
+    by the runner's EOS ids and context length, and stop strings through `decode_tail`. A
+    request it ends finished here: its completion tokens go into `figures.outputs`."""
 
     runner: Runner
     decode_tail: Callable[[list[int]], str] | None = None
+    figures: ServingFigures = field(default_factory=ServingFigures)
 
     def __call__(self, req: Req) -> None:
+        if req.finished:
+            return
         req.check_finished(self.runner.eos_token_ids, self.runner.context_len, self.decode_tail)
+        if req.finished:
+            self.figures.outputs.add(len(req.output_ids))

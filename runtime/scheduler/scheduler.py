@@ -13,6 +13,7 @@ whose device work (and, in overlap mode, the FutureMap's) is queued on the forwa
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ import torch
 
 from runtime.canary.monitor import CanaryMonitor
 from runtime.config import CanaryConfig, SchedulerConfig
+from runtime.figures import ServingFigures
 from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.messages import FinishReason, ReqOutput
 from runtime.sampling_params import InvalidRequest
@@ -45,7 +47,8 @@ class Scheduler:
     """Every unfinished request it was given is in `waiting`, in the prefill in flight
     (`last_extend`; `chunked_req` while its prompt is unfinished, in `last_extend` too while its
     chunk runs), in the running decode batch (`decode.running`), or handed over and not taken
-    yet (`handoffs`): `requests()` lists them once each. It makes no device calls itself."""
+    yet (`handoffs`): `requests()` lists them once each. It makes no device calls itself.
+    `figures` counts what it computed since start (runtime/figures.py)."""
 
     def __init__(
         self,
@@ -76,18 +79,21 @@ class Scheduler:
             if config.overlaps(torch.device(runner.device).type) else None
         )
         self.forwards = ForwardCount()
+        self.figures = ServingFigures()
+        self._processed_at = 0.0  # time.monotonic() when the previous forward was processed
         self._aborted: list[Req] = []
         self.canary = (CanaryMonitor(canary, runner.context_len)
                        if canary is not None and canary.enabled else None)
-        stop = StopCheck(runner, decode_tail)
+        stop = StopCheck(runner, decode_tail, self.figures)
         self.decode = DecodeManager(self.kv, config.new_token_ratio, stop)
         self.handoffs = Handoffs(self.decode, self.forwards, self.has_work)
-        self.results = ResultProcessor(self.kv, stop, self.handoffs, self.canary)
+        self.results = ResultProcessor(self.kv, stop, self.handoffs, self.canary, self.figures)
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.validate(req)
         self.waiting.append(req)
+        self.figures.received += 1
 
     def validate(self, req: Req) -> None:
         n = len(req.origin_input_ids)
@@ -197,6 +203,7 @@ class Scheduler:
         return fb
 
     def launch(self, batch: ScheduleBatch, fb: ForwardBatch) -> Launched:
+        launched_at = time.monotonic()
         self.forwards.launched += 1
         future_indices = None
         if self.worker is None:
@@ -215,13 +222,15 @@ class Scheduler:
             # the next step does not run them, process() does: FutureMap.settle).
             batch.input_ids = -future_indices
         return Launched(list(batch.reqs), batch.mode, list(batch.is_last_chunk), result,
-                        future_indices, [r.kv.length for r in batch.reqs])
+                        future_indices, [r.kv.length for r in batch.reqs], sum(fb.extend_lens),
+                        launched_at)
 
     def process(self, done: Launched) -> list[Req]:
         """Wait for `done`'s forward (the step's one wait) and apply its results; returns the
         requests whose outputs are due."""
         out = done.result.result(timeout=FORWARD_TIMEOUT_S).on_host()
         self.forwards.finished += 1
+        self._time(done)
         # The running batch may still hold done's placeholders, unless the step launched after it
         # was a decode: that one took them all (and settling costs ~15 us a step).
         next_decoded = self.pending is not None and self.pending.mode == "decode"
@@ -230,6 +239,14 @@ class Scheduler:
             running.input_ids = FutureMap.settle(running.input_ids, done.future_indices,
                                                  out.next_token_ids)
         return self.results.process(done, out)
+
+    def _time(self, done: Launched) -> None:
+        """Count `done`'s forward in the figures, busy from its launch or, when it was launched
+        while the previous one ran (overlap), from the moment that one was done."""
+        now = time.monotonic()
+        busy = now - max(done.launched_at, self._processed_at)
+        self.figures.forwards[done.mode].add(done.tokens, busy)
+        self._processed_at = now
 
     # ---- policy -------------------------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduleBatch | None:

@@ -135,7 +135,9 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
         stalled = tm.stalled()
         if stalled is not None:  # the router takes us out until it speaks again
             raise ApiError(503, stalled, "service_unavailable", "stalled")
-        return {"status": "ready", "revision": tm.args.revision, **tm.edge.ready_fields(tm.info)}
+        figures = {**dataclasses.asdict(tm.stats.figures), "kv_tokens": tm.info.kv_capacity_tokens}
+        return {"status": "ready", "revision": tm.args.revision, **tm.edge.ready_fields(tm.info),
+                "figures": figures}  # the P:D planner's, through the router (runtime/figures.py)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

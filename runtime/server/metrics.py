@@ -11,6 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from runtime.figures import MODES, ServingFigures
 from runtime.messages import CanaryStats, DisaggStats, PrefixCacheStats, SchedulerStats
 
 _LATENCY_BUCKETS = (
@@ -60,6 +61,45 @@ class CanaryMetrics:
             for kind, n in now.items():
                 counter.labels(kind=kind).inc(max(0, n - before.get(kind, 0)))
         self.last = stats
+
+
+class FiguresMetrics:
+    """What the scheduler computed, the P:D planner's figures (ServingFigures carries totals;
+    counters take the rise). Lengths come as count, sum and sum of squares: rises over a window
+    give their mean and second moment."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.forwards = Counter("baton_forwards", "Forward passes by mode (extend: prompt chunks, "
+                                "decode: steps)", ["mode"], registry=r)
+        self.tokens = Counter("baton_forward_tokens", "Input tokens of the forward passes by mode "
+                              "(a decode step: one a request)", ["mode"], registry=r)
+        self.seconds = Counter("baton_forward_seconds", "Seconds the device was busy with "
+                               "forward passes, by mode", ["mode"], registry=r)
+        self.received = Counter("baton_planner_received", "Requests given to the scheduler to "
+                                "prefill (a decode's from a prefill are not)", registry=r)
+        self.lengths = {kind: (
+            Counter(f"baton_planner_{kind}s", f"{what}: how many", registry=r),
+            Counter(f"baton_planner_{kind}_tokens", f"{what}: their tokens", registry=r),
+            Counter(f"baton_planner_{kind}_tokens_squared", f"{what}: the sum of each one's "
+                    "tokens squared", registry=r),
+        ) for kind, what in (("prompt", "Prompts prefilled, the cached prefix not counted"),
+                             ("output", "Requests that finished here by a stop or their "
+                              "length, by completion tokens"))}
+        self.last = ServingFigures()
+
+    def update(self, figures: ServingFigures) -> None:
+        rise, self.last = figures.since(self.last), figures
+        if rise.went_down():  # (never while the scheduler process lives)
+            return
+        for mode in MODES:
+            self.forwards.labels(mode=mode).inc(rise.forwards[mode].count)
+            self.tokens.labels(mode=mode).inc(rise.forwards[mode].tokens)
+            self.seconds.labels(mode=mode).inc(rise.forwards[mode].seconds)
+        self.received.inc(rise.received)
+        for kind, moments in (("prompt", rise.prompts), ("output", rise.outputs)):
+            for counter, value in zip(self.lengths[kind], (moments.n, moments.sum, moments.sumsq),
+                                      strict=True):
+                counter.inc(value)
 
 
 class DisaggMetrics:
@@ -143,6 +183,7 @@ class Metrics:
         self.disagg = DisaggMetrics(r)
         self.cache = PrefixCacheMetrics(r)
         self.canary = CanaryMetrics(r)
+        self.figures = FiguresMetrics(r)
 
     def on_tokens(self, n: int, since_last: float, first: bool, ttft: float) -> None:
         """`n` new tokens arrived `since_last` seconds after the previous ones."""
@@ -185,6 +226,7 @@ class Metrics:
             self.cache.update(stats.prefix_cache)
         if stats.canary is not None:
             self.canary.update(stats.canary)
+        self.figures.update(stats.figures)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,6 @@
 """PD failure handling with real processes (tiny random Llama, timeouts shortened by flags):
-every failure ends the request with a clear error and frees its KV on both sides."""
+every failure ends the request with a clear error and frees its KV on both sides. On the same
+pair, last: what a router in front of it measures for the P:D planner (GET /debug/planner)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from tests.disagg.pd import Pair, pd_call, restart_prefill, start_pair
+from tests.router.conftest import RouterThread
 from tests.router.router_process import start_router
 
 FAST = ("--bootstrap-timeout-s", "3", "--waiting-timeout-s", "6", "--heartbeat-interval-s", "0.5",
@@ -363,3 +365,53 @@ def test_a_request_waiting_for_its_kv_is_queued_not_running(shared: Pair) -> Non
     assert fed.status_code == 200 and done.status_code == 200
     eventually(lambda: metric(pair.decode.url, "baton_queue_depth") == 0
                and metric(pair.decode.url, "baton_running_requests") == 0)
+
+
+def test_the_router_measures_the_planner_figures(shared: Pair,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests through a router: its /debug/planner shows their prompts (the prefill's figures,
+    as /ready shows them), their outputs (the decode's), both pools' speeds and the decode's
+    KV pool, in the JSON the operator's planner reads; the workers' /metrics count the same."""
+    pair, rng = shared, random.Random(39)
+    for name, value in pair.env.items():
+        monkeypatch.setenv(name, value)
+    router = RouterThread(["--prefill", f"{pair.prefill.url},{pair.bootstrap_port}",
+                           "--decode", pair.decode.url]).wait_ready()
+    # its first polls came before the traffic: what the pair did before is not counted
+    lengths, max_new = [20, 30, 40, 50], 8
+
+    async def one(http: httpx.AsyncClient, n: int) -> int:
+        r = await http.post(f"{router.url}/generate", json={
+            "input_ids": [rng.randrange(100, 40_000) for _ in range(n)],
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == max_new, r.text
+        return n - int(r.json()["meta_info"]["cached_tokens"])
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return list(await asyncio.gather(*(one(http, n) for n in lengths)))
+
+    def view() -> dict[str, Any]:
+        return dict(router.client.get("/debug/planner").json())
+
+    try:
+        computed = asyncio.run(run())
+        eventually(lambda: (view()["output_tokens"] or {}).get("count") == 4)
+        got = view()
+    finally:
+        router.stop()
+    assert got["missing"] == [] and got["ready"] == {"prefill": 1, "decode": 1}, got
+    assert got["rate"] > 0 and got["window_s"] > 0
+    assert got["prompt_tokens"] == {"mean": sum(computed) / 4, "count": 4,
+                                    "second": sum(n * n for n in computed) / 4}
+    assert got["output_tokens"] == {"mean": max_new, "second": max_new ** 2, "count": 4}
+    assert got["prefill_tokens_per_s"] > 0
+    assert got["decode_steps"] and all(b >= 1 and t > 0 for b, t in got["decode_steps"])
+    info = httpx.get(f"{pair.decode.url}/server_info").json()
+    assert got["decode_kv_tokens"] == info["kv_capacity_tokens"]
+    planner = pytest.importorskip("baton_operator.planner")
+    planner.figures_from({**got, "ttft_target_s": 1, "itl_target_s": 0.1})
+    assert metric(pair.prefill.url, "baton_planner_prompts_total") >= 4
+    assert metric(pair.prefill.url, 'baton_forward_seconds_total{mode="extend"}') > 0
+    assert metric(pair.decode.url, "baton_planner_output_tokens_total") >= 4 * max_new
+    assert metric(pair.decode.url, 'baton_forwards_total{mode="decode"}') >= max_new - 1

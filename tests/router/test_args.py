@@ -79,6 +79,9 @@ def test_static_workers_and_defaults() -> None:
     defaults = RouterConfig()
     assert (config.host, config.port, config.policy) == (defaults.host, 8000, "round_robin")
     assert config.request_timeout_s == defaults.request_timeout_s
+    assert config.planner_window_s == 60
+    assert parse_router_args(["--prefill", "http://p:1", "--decode", "http://d:1",
+                              "--planner-window-s", "300"]).planner_window_s == 300
     assert parse_router_args(["--prefill-dns", "[fd00::1]:80:81", "--decode-dns", "d:82"]
                              ).prefill_dns == DnsName("fd00::1", 80, 81)
 

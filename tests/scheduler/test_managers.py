@@ -8,6 +8,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from runtime.figures import ServingFigures
 from runtime.forward_batch import ForwardMode, ForwardOutput
 from runtime.scheduler.batch import ScheduleBatch
 from runtime.scheduler.decode import RATIO_BUMP, DecodeManager
@@ -89,7 +90,7 @@ def test_results_hand_off_chunk_and_drop() -> None:
     runner = FakeRunner()
     handoffs = Handoffs(DecodeManager(runner.kv, 1.0, StopCheck(runner)), ForwardCount(),
                         lambda: False)
-    results = ResultProcessor(runner.kv, StopCheck(runner), handoffs, None)
+    results = ResultProcessor(runner.kv, StopCheck(runner), handoffs, None, ServingFigures())
     plain, hand, chunk, gone = (make_req(f"r{i}", 8, 4, seed=i) for i in range(4))
     hand.hand_off_after_prompt()
     for req in (plain, hand, gone):
@@ -108,7 +109,7 @@ def test_results_finish_frees_kv() -> None:
     runner = FakeRunner()
     handoffs = Handoffs(DecodeManager(runner.kv, 1.0, StopCheck(runner)), ForwardCount(),
                         lambda: False)
-    results = ResultProcessor(runner.kv, StopCheck(runner), handoffs, None)
+    results = ResultProcessor(runner.kv, StopCheck(runner), handoffs, None, ServingFigures())
     req = make_req("one", 4, 1)
     runner.kv.grow(req, 4)
     done = launched([req], "extend", [True], [3])

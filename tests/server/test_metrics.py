@@ -11,6 +11,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from runtime.figures import ServingFigures
 from runtime.messages import SchedulerStats
 from runtime.server.metrics import Metrics
 from runtime.server.middleware import ErrorGuard
@@ -96,3 +97,24 @@ def test_retractions_are_counted_from_the_scheduler_total() -> None:
     for total in (0, 3, 3, 5):
         metrics.set_stats(SchedulerStats(retractions=total))
     assert metric(metrics.render().decode(), "baton_retractions_total") == 5
+
+
+def test_the_planner_figures_are_counted_from_the_scheduler_totals() -> None:
+    metrics, figures = Metrics(), ServingFigures()
+    for prompt, output in ((5, 3), (7, 4)):
+        figures.received += 1
+        figures.prompts.add(prompt)
+        figures.outputs.add(output)
+        figures.forwards["extend"].add(prompt, 0.5)
+        figures.forwards["decode"].add(2, 0.25)
+        metrics.set_stats(SchedulerStats(figures=figures.since(ServingFigures())))
+        metrics.set_stats(SchedulerStats(figures=figures.since(ServingFigures())))  # no rise
+    text = metrics.render().decode()
+    assert metric(text, "baton_planner_received_total") == 2
+    assert [metric(text, f"baton_planner_prompt{s}_total") for s in ("s", "_tokens",
+                                                                      "_tokens_squared")] == [2, 12, 74]
+    assert metric(text, "baton_planner_output_tokens_squared_total") == 25
+    assert metric(text, "baton_forwards_total", '{mode="extend"}') == 2
+    assert metric(text, "baton_forward_tokens_total", '{mode="extend"}') == 12
+    assert metric(text, "baton_forward_tokens_total", '{mode="decode"}') == 4
+    assert metric(text, "baton_forward_seconds_total", '{mode="decode"}') == 0.5
