@@ -130,9 +130,12 @@ def bearer(authorization: str | None) -> str:
 class ApiKeyGate:
     """ASGI middleware: a request outside the open paths needs one of the keys."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, protect_metrics: bool = False) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, protect_metrics: bool = False,
+                 metrics: frozenset[str] = frozenset({"/metrics"})) -> None:
+        """`metrics`: the paths of aggregate numbers, open like /metrics unless
+        `protect_metrics` (the router's /debug/planner, which the operator's planner reads)."""
         self.app, self.keys = app, keys
-        self.open = PROBES if protect_metrics else PROBES | {"/metrics"}
+        self.open = PROBES if protect_metrics else PROBES | metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path") or ""

@@ -238,7 +238,8 @@ def create_app(config: RouterConfig, discovery: Discovery | None = None,
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(ApiKeyGate, keys=router.api_keys, protect_metrics=config.protect_metrics)
+    app.add_middleware(ApiKeyGate, keys=router.api_keys, protect_metrics=config.protect_metrics,
+                       metrics=frozenset({"/metrics", "/debug/planner"}))
     _add_routes(app, router)
     _add_error_handlers(app)
     return app

@@ -127,9 +127,10 @@ def _tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="keys to require, one per line; read again when it changes")
     p.add_argument("--protect-metrics", action="store_true",
-                   help="require a key for /metrics too (/health and /ready stay open)")
+                   help="require a key for /metrics and /debug/planner too (/health and /ready "
+                   "stay open)")
     p.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help="with API keys on, /debug/pairs, /debug/kv_index and /debug/planner need "
+                   help="with API keys on, /debug/pairs and /debug/kv_index need "
                    "this key (also $BATON_ADMIN_API_KEY; without one nobody reads them)")
     _seconds(p, "--planner-window-s", DEFAULT.planner_window_s,
              "GET /debug/planner shows what the workers computed over this last stretch")

@@ -55,7 +55,7 @@ def sample(local: LocalCluster) -> Path:
     for role in ("prefill", "decode"):
         service["spec"][role]["args"] = ["--max-total-tokens", str(KV_TOKENS)]
     # the planner's figures over the last 8 s (60 by default): the e2e's loads are short
-    service["spec"]["router"]["args"] = ["--planner-window", str(PLANNER_WINDOW_S)]
+    service["spec"]["router"]["args"] = ["--planner-window-s", str(PLANNER_WINDOW_S)]
     path = local.root / "inferenceservice.yaml"
     path.write_text(yaml.safe_dump(service))
     return path

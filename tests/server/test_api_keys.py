@@ -158,6 +158,8 @@ def test_the_debug_views_are_the_admin_keys(keyed: tuple[ServerProcess, Path],
                         == admin_status)
             if not flags:
                 assert "--admin-api-key" in r.json()["error"]["message"]
+            # aggregate figures for the operator's planner: open like /metrics
+            assert httpx.get(f"{router.url}/debug/planner").status_code == 200
             assert ADMIN not in router.log()
         finally:
             assert router.stop() == 0
@@ -216,6 +218,8 @@ def test_router_and_workers_behind_it(keyed: tuple[ServerProcess, Path], tmp_pat
             time.sleep(0.1)
         assert httpx.get(f"{router.url}/v1/models").status_code == 401
         assert httpx.get(f"{router.url}/metrics").status_code == 401  # --protect-metrics
+        planner = httpx.get(f"{router.url}/debug/planner", headers={"Authorization": f"Bearer {KEY}"})
+        assert planner.status_code == 403, planner.text  # and then the admin key's alone
         assert httpx.get(f"{router.url}/health").status_code == 200
         deadline = time.monotonic() + 15
         while True:  # until the router has seen the worker ready
