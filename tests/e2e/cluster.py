@@ -80,7 +80,7 @@ class LocalCluster:
         liveness = f"http://127.0.0.1:{free_port()}/healthz"
         log = (self.root / "operator.log").open("ab")
         env = {**os.environ, **OPERATOR_ENV, "KUBECONFIG": str(self.kubeconfig),
-               "PYTHONPATH": str(REPO)}
+               "PYTHONPATH": f"{REPO}:{REPO / 'operator'}"}  # this checkout, operator too
         self.operator = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", "operator", "--all-namespaces", "--standalone",
              f"--liveness={liveness}"], env=env, stdout=log, stderr=subprocess.STDOUT,

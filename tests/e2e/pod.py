@@ -59,7 +59,7 @@ def image_env() -> dict[str, str]:
     path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
     return {
         "PATH": path,
-        "PYTHONPATH": f"{NETNS}:{REPO}",
+        "PYTHONPATH": f"{NETNS}:{REPO}:{REPO / 'operator'}",  # this checkout, operator too
         "PYTHONUNBUFFERED": "1",
         "BATON_CACHE": cache,  # the image bakes the builtin model there
         "TORCH_EXTENSIONS_DIR": extensions,  # and would bake the compiled CPU kernel

@@ -33,7 +33,7 @@ OPENING = ("You are a helpful assistant who answers in one short sentence, plain
            "lists, headings or code, and who never repeats the question back to the user. ")
 PROMPTS = [OPENING + q for q in ("Tell me a story about a fox.", "List three colours.",
                                  "What is the capital of France?", "Why is the sky blue?")]
-LOAD_S = 25
+LOAD_S = 12  # a dozen 1 s scrapes: every rate() has its samples
 CLIENTS = 4
 # alert signals with no series in a healthy local run: counters that exist once something
 # failed, and the operator's, which is not running here (tests/operator/test_operator_metrics.py)
