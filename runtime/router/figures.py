@@ -16,7 +16,9 @@ figures, or with malformed ones, adds nothing. Over what each worker's history c
   decode steps in between, the newest MAX_STEPS of them;
 - `decode_kv_tokens`: the smallest KV pool among the decode workers;
 - `ready`: ready workers by role; `window_s`: the longest span a history covers.
-A figure without data is null, and `missing` says why. The keys are those
+A window in which no prompt was prefilled or no request finished keeps the last lengths seen
+(`stale` says how many seconds old): what a workload's requests look like outlives a window in
+which none finished. A figure without data is null, and `missing` says why. The keys are those
 `baton_operator.planner.figures_from` reads; the operator adds its targets and bounds.
 """
 
@@ -78,6 +80,8 @@ class PlannerFigures:
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
         self.histories: dict[str, History] = {}  # by worker URL
+        # the last window's prompt and output lengths that had any, and when (see `view`)
+        self.lengths: dict[str, tuple[float, dict[str, float]]] = {}
 
     def observe(self, role: Role, url: str, body: Any, at: float) -> None:
         """A 200 from `url`'s `/ready` at `at` (monotonic seconds), with `body`."""
@@ -113,8 +117,22 @@ class PlannerFigures:
             "window_s": max((h.span() for h in live), default=0.0),
             "ready": ready,
         }
+        out["stale"] = self._remembered(out, now)
         out["missing"] = [f"{key}: {why}" for key, why in self._why().items() if out[key] is None]
         return out
+
+    def _remembered(self, out: dict[str, Any], now: float) -> dict[str, float]:
+        """A length distribution is the workload's, not the moment's: a window in which no
+        request finished (every stream longer than the window, as under a decode backlog) keeps
+        the last window's that had one. Returns how old each carried one is, in seconds."""
+        stale = {}
+        for key in ("prompt_tokens", "output_tokens"):
+            if out[key] is not None:
+                self.lengths[key] = (now, out[key])
+            elif key in self.lengths:
+                at, out[key] = self.lengths[key]
+                stale[key] = now - at
+        return stale
 
     def _why(self) -> dict[str, str]:
         window = f"in the last {self.window_s:g} s"

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -236,38 +237,56 @@ def test_decode_scales_out_and_in_without_failing_requests(local: LocalCluster,
 
 
 class Load:
-    """`clients` closed loops of /generate through the router until stopped: each request a
-    `prompt` of fixed length and exactly `tokens` new tokens; every answer is checked."""
+    """Requests through the router's /generate until stopped: an open loop at `rate` per second
+    (a new request every 1/rate s, however many are in flight: what overloads a pool, which a
+    closed loop never does), or `rate` None: `clients` closed loops. Each request has a prompt
+    of `prompt_tokens` token ids of its own (no prefix cache hit) and makes exactly `tokens`;
+    every answer is checked."""
 
-    def __init__(self, url: str, clients: int, prompt: str, tokens: int) -> None:
-        self.url, self.prompt, self.tokens = url, prompt, tokens
+    def __init__(self, url: str, prompt_tokens: int, tokens: int, rate: float | None = None,
+                 clients: int = 1) -> None:
+        self.url, self.prompt_tokens, self.tokens, self.rate = url, prompt_tokens, tokens, rate
         self.stop = threading.Event()
-        self.done, self.failures = 0, []  # type: ignore[var-annotated]
-        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+        self.sent = self.done = 0
+        self.failures: list[str] = []
+        self.pool = ThreadPoolExecutor(256, thread_name_prefix="load")
+        self.pacers = [threading.Thread(target=self._pace, daemon=True)
+                       for _ in range(1 if rate is not None else clients)]
 
     def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
+        for pacer in self.pacers:
+            pacer.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(120)
+        for pacer in self.pacers:
+            pacer.join(300)
+        self.pool.shutdown(wait=True)  # every request sent gets its answer
 
-    def _loop(self) -> None:
-        body = {"text": self.prompt, "sampling_params": {
+    def _pace(self) -> None:
+        started = time.monotonic()
+        while not self.stop.is_set():
+            self.sent += 1
+            if self.rate is None:
+                self._one(self.sent)
+            else:
+                self.pool.submit(self._one, self.sent)
+                self.stop.wait(max(0.0, started + self.sent / self.rate - time.monotonic()))
+
+    def _one(self, seed: int) -> None:
+        seed += int(time.time() * 1000)  # unique across loads too: no prefix cache hit
+        ids = [(seed * 7919 + i * 104729) % 40000 + 100 for i in range(self.prompt_tokens)]
+        body = {"input_ids": ids, "sampling_params": {
             "temperature": 0, "max_new_tokens": self.tokens, "ignore_eos": True}}
-        with httpx.Client(trust_env=False, timeout=120) as client:
-            while not self.stop.is_set():
-                try:
-                    r = client.post(f"{self.url}/generate", json=body)
-                    if r.status_code != 200 or len(r.json()["output_ids"]) != self.tokens:
-                        self.failures.append(f"{r.status_code}: {r.text[:300]}")
-                    else:
-                        self.done += 1
-                except httpx.HTTPError as e:
-                    self.failures.append(f"{type(e).__name__}: {e}")
+        try:
+            r = httpx.post(f"{self.url}/generate", json=body, timeout=300, trust_env=False)
+            if r.status_code != 200 or len(r.json()["output_ids"]) != self.tokens:
+                self.failures.append(f"{r.status_code}: {r.text[:300]}")
+            else:
+                self.done += 1
+        except httpx.HTTPError as e:
+            self.failures.append(f"{type(e).__name__}: {e}")
 
 
 def planner_status(cluster: Cluster) -> dict[str, Any]:
@@ -286,76 +305,86 @@ def figures(url: str) -> dict[str, Any]:
     return dict(httpx.get(f"{url}/debug/planner", timeout=10, trust_env=False).json())
 
 
+def patch_autoscaling(autoscaling: dict[str, Any]) -> None:
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                json.dumps({"spec": {"autoscaling": autoscaling}}))
+
+
+LONG, SHORT, OUT = 512, 8, 48  # prompt tokens of the prefill-heavy and decode-heavy loads; out
+
+
 def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
         local: LocalCluster, cluster: Cluster) -> None:
-    """Targets set from a calibration (a prefill pod's measured prompt tokens per second and a
-    decode pod's measured step time alone), so the test holds on any machine:
-    - recommend only (targets, mode metrics): a prefill-heavy load (long prompts, two tokens
-      each, three clients) recommends more prefill pods than decode pods and more than a
-      decode-heavy load (short prompts, many tokens, eight clients) does; that one recommends
-      more decode pods than the prefill-heavy one;
+    """Loads sized from a calibration (a prefill pod's prompt tokens per second, one prompt at a
+    time; a decode pod's tokens per second at four streams), so the test holds on any machine:
+    - recommend only (targets, mode metrics): an open loop of long prompts making two tokens
+      each at 1.5x what one prefill pod prefills recommends 2+ prefill pods and one decode;
+      an open loop of short prompts making OUT tokens each at 1.5x what one decode pod decodes
+      recommends 2+ decode pods and one prefill;
     - mode planner (each pool 1..2): under the decode-heavy load the decode pool goes to two
-      pods and the prefill pool stays at one; with the load steady, nothing changes over ten
-      plans; with the load gone, the decode pool comes back to one after its cooldown;
-    - no request of any load fails."""
+      pods and the prefill pool stays at one; the load going on, nothing changes over ten
+      plans; with the load gone, the decode pool is back at one after its cooldown;
+    - every request of every load answers in full."""
     url = router_url(cluster)
-    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # ~540 tokens
-    short_prompt = "Count from one to one hundred."
-    with Load(url, 1, long_prompt, 2) as calibrate:
+    with Load(url, LONG, 2) as calibrate:
         wait_for(lambda: calibrate.done >= 3, 120, "calibration requests")
-    with Load(url, 1, short_prompt, 64) as calibrate_decode:
-        wait_for(lambda: calibrate_decode.done >= 2, 120, "calibration requests")
-    calibration = figures(url)
-    assert not calibrate.failures and not calibrate_decode.failures
-    prefill_s = calibration["prompt_tokens"]["mean"] / calibration["prefill_tokens_per_s"]
-    step_s = min(itl for _, itl in calibration["decode_steps"])
-    # one prefill pod kept busy by three clients misses 3x a long prompt's prefill time; a
-    # decode pod's step at eight streams misses 1.15x its step at one
-    ttft_ms, itl_ms = max(1, round(3000 * prefill_s)), max(1, round(1150 * step_s))
-    targets = {"ttftTarget": ttft_ms, "itlTarget": itl_ms}
-    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
-                json.dumps({"spec": {"autoscaling": targets}}))
+    prefill_s = LONG / figures(url)["prefill_tokens_per_s"]
+    with Load(url, SHORT, OUT, clients=4) as calibrate:
+        wait_for(lambda: calibrate.done >= 8, 180, "calibration requests")
+    steps = figures(url)["decode_steps"]
+    step_s = min(itl for _, itl in steps)
+    decode_tokens_per_s = max(batch / itl for batch, itl in steps)
+    # generous targets: only a pool that cannot keep up misses them
+    targets = {"ttftTarget": max(1, round(3000 * prefill_s)),
+               "itlTarget": max(1, round(5000 * step_s))}
+    patch_autoscaling(targets)
 
-    def settled_plan() -> tuple[int, int]:
-        """The recommendation once the router's window holds only the running load's."""
-        time.sleep(PLANNER_WINDOW_S + 2)
-        return wait_for(lambda: recommended(cluster), 30,
-                        lambda: f"a plan; status.planner {planner_status(cluster)}")
+    def workers() -> list[Any]:
+        return [httpx.get(f"http://{p['status']['podIP']}:8000/ready", timeout=10,
+                          trust_env=False).json().get("figures")
+                for role in ("prefill", "decode") for p in pods(cluster, role)]
 
-    with Load(url, 3, long_prompt, 2) as prefill_heavy:
-        p_heavy = settled_plan()
-    with Load(url, 8, short_prompt, 48) as decode_heavy:
-        d_heavy = settled_plan()
-    assert not prefill_heavy.failures and not decode_heavy.failures
-    explained = planner_status(cluster)
-    assert p_heavy[0] > p_heavy[1] and p_heavy[0] > d_heavy[0], (p_heavy, d_heavy, explained)
-    assert d_heavy[1] > p_heavy[1], (p_heavy, d_heavy, explained)
+    def plan_under(load: Load) -> tuple[int, int]:
+        """The recommendation once the router's window holds this load alone."""
+        with load:
+            time.sleep(PLANNER_WINDOW_S + 3 * PLAN_S)
+            plan = wait_for(lambda: recommended(cluster), 30,
+                            lambda: f"a plan; status.planner {planner_status(cluster)}; the "
+                                    f"router's figures {figures(url)}; workers: {workers()}")
+        assert not load.failures, load.failures[:3]
+        return plan
+
+    def decode_heavy() -> Load:
+        return Load(url, SHORT, OUT, rate=1.5 * decode_tokens_per_s / OUT)
+
+    p_heavy = plan_under(Load(url, LONG, 2, rate=1.5 / prefill_s))
+    d_heavy = plan_under(decode_heavy())
+    assert p_heavy[0] >= 2 and p_heavy[1] == 1, (p_heavy, planner_status(cluster))
+    assert d_heavy[1] >= 2 and d_heavy[0] == 1, (d_heavy, planner_status(cluster))
     (row,) = table_cells(run_kubectl("get", "bisvc", "-o", "wide"))
     assert re.fullmatch(r"\d+:\d+", row["RECOMMENDED"]), row
 
-    planner = {**targets, "mode": "planner", "cooldownSeconds": 6,
-               "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2}}
-    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
-                json.dumps({"spec": {"autoscaling": planner}}))
-    with Load(url, 8, short_prompt, 48) as steady:
+    patch_autoscaling({**targets, "mode": "planner", "cooldownSeconds": 6,
+                       "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2}})
+    with decode_heavy() as steady:
         wait_for(lambda: ready_decodes(url) == 2, READY_S,
                  lambda: f"a second decode; status.planner {planner_status(cluster)}")
-        assert len(pods(cluster, "prefill")) == 1, planner_status(cluster)
         seen = set()
-        for _ in range(10):  # ten plans at a steady load: the pools stay
+        for _ in range(10):  # ten plans with the load going on: the pools stay
             time.sleep(PLAN_S)
             status = planner_status(cluster)
-            seen.add((status["prefill"]["replicas"], status["decode"]["replicas"]))
-        assert seen == {(1, 2)}, (seen, planner_status(cluster))
+            seen.add((status["prefill"]["replicas"], status["decode"]["replicas"],
+                      len(pods(cluster, "prefill"))))
+        assert seen == {(1, 2, 1)}, (seen, planner_status(cluster))
     assert not steady.failures, steady.failures[:3]
-    assert steady.done > 0
-    wait_for(lambda: ready_decodes(url) == 1, 90,
+    wait_for(lambda: ready_decodes(url) == 1, 120,
              lambda: f"back to one decode; status.planner {planner_status(cluster)}")
     condition = cluster.condition(NAME, "Autoscaling")
     assert (condition["status"], condition["reason"]) == ("True", "Planner"), condition
     run_kubectl("patch", "bisvc", NAME, "--type=json", "-p",
                 '[{"op": "remove", "path": "/spec/autoscaling"}]')
-    wait_for(lambda: cluster.condition(NAME, "Autoscaling") == {}, 30, "autoscaling off")
+    wait_for(lambda: cluster.condition(NAME, "Autoscaling") == {} and not planner_status(cluster),
+             30, "autoscaling off")
 
 
 def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,

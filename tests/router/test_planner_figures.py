@@ -152,3 +152,21 @@ def test_the_operator_s_planner_reads_the_view() -> None:
     assert measured.decode_steps == ((8, pytest.approx(0.02)),)
     plan = planner.plan(*planner.figures_from({**view, "ttft_target_s": 1, "itl_target_s": 0.1}))
     assert plan["prefill"].met and plan["decode"].met
+
+
+def test_a_window_in_which_no_request_finished_keeps_the_last_lengths_seen() -> None:
+    """Under a decode backlog every stream outlives the window: the output lengths (the
+    workload's) carry over from the last window that saw some, marked stale with their age."""
+    planner, d = PlannerFigures(window_s=10), Worker()
+    planner.observe("decode", "http://d", d.body(), at=0)
+    planner.observe("decode", "http://d", d.decode(4, 10, 0.02, 30, 50).body(), at=5)
+    fresh = planner.view(READY, now=5)
+    assert fresh["output_tokens"]["mean"] == 40 and fresh["stale"] == {}
+    for t in (20, 25):  # steps, but nothing finishes
+        planner.observe("decode", "http://d", d.decode(8, 50, 0.04).body(), at=t)
+    later = planner.view(READY, now=25)
+    assert later["output_tokens"] == fresh["output_tokens"]
+    assert later["stale"] == {"output_tokens": 20}
+    assert not any(m.startswith("output_tokens") for m in later["missing"])
+    assert later["decode_steps"] == [[8, pytest.approx(0.04)]]
+    assert PlannerFigures().view(READY, now=0)["output_tokens"] is None  # nothing seen yet
