@@ -18,7 +18,8 @@ of n pods, and a step of b streams takes ITL(b) = base + slope b (a least-square
 the measured (batch, ITL) points; from one point, the flat line ITL(b) = ITL up to that
 batch and the same tokens per second beyond it, which assumes no gain from a bigger batch).
 Solving b = lam E[out] ITL(b) / n gives b = lam E[out] base / (n - lam E[out] slope), for
-n > lam E[out] slope; the plan is the smallest n whose ITL(b) is within the target and whose
+n > lam E[out] slope (ITL is taken at a batch of at least 1: a stream's own step); the plan is
+the smallest n whose ITL(b) is within the target and whose
 streams' KV fits (b (E[in] + E[out]) <= the pod's KV tokens, when known).
 
 Each count is held within [min, max]; where even max misses the target, max is the plan and
@@ -125,7 +126,9 @@ def decode_itl(n: int, load: Load, steps: Sequence[tuple[float, float]]) -> tupl
     if n <= demand * slope:
         return math.inf, math.inf
     b = demand * base / (n - demand * slope)
-    return base + slope * b, b
+    # a stream's step has at least itself in it: where the line runs through the origin (a
+    # step's time proportional to its batch, as on a CPU) the fixed point is b = 0, not ITL 0
+    return base + slope * max(b, 1.0), b
 
 
 def plan_prefill(load: Load, measured: Measured, targets: Targets) -> RolePlan:

@@ -69,6 +69,14 @@ def test_the_decode_batch_solves_littles_law() -> None:
     flat = ((8, 0.02),)
     assert decode_itl(2, Load(1.0, Lengths.fixed(10), Lengths.fixed(100)), flat)[0] == 0.02
     assert decode_itl(1, Load(10.0, Lengths.fixed(10), Lengths.fixed(100)), flat)[0] == float("inf")
+    # a step's time proportional to its batch (a CPU): the line runs through the origin, the
+    # fixed point is b = 0, and a stream's step still takes one stream's time, not zero
+    proportional = ((1, 0.04), (4, 0.16), (8, 0.32))
+    assert step_line(proportional) == pytest.approx((0.0, 0.04))
+    itl, b = decode_itl(2, Load(0.1, Lengths.fixed(10), Lengths.fixed(100)), proportional)
+    assert (itl, b) == (pytest.approx(0.04), pytest.approx(0.0, abs=1e-9))
+    # and a pod keeps up only below 1 / 0.04 = 25 tokens per second
+    assert decode_itl(1, Load(0.3, Lengths.fixed(10), Lengths.fixed(100)), proportional)[0] == float("inf")
 
 
 def test_each_role_follows_the_load_that_is_its_own() -> None:
