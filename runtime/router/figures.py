@@ -125,7 +125,7 @@ class PlannerFigures:
         """A length distribution is the workload's, not the moment's: a window in which no
         request finished (every stream longer than the window, as under a decode backlog) keeps
         the last window's that had one. Returns how old each carried one is, in seconds."""
-        stale = {}
+        stale: dict[str, float] = {}
         for key in ("prompt_tokens", "output_tokens"):
             if out[key] is not None:
                 self.lengths[key] = (now, out[key])
