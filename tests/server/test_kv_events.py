@@ -4,7 +4,9 @@ stored or removed, numbered; a follower that replays them holds exactly the work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +35,7 @@ class Follower:
         self.ended = threading.Event()
         self._client = httpx.Client(timeout=30)
         self.hung_up = False
+        self._resp: httpx.Response | None = None
         self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
         self._thread.start()
 
@@ -47,6 +50,7 @@ class Follower:
 
     def _follow(self, url: str) -> None:
         with self._client.stream("GET", f"{url}/kv_events") as resp:
+            self._resp = resp
             self.status = resp.status_code
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
@@ -70,6 +74,12 @@ class Follower:
     def stop(self) -> None:
         """Hang up (closing the client ends the read the thread is blocked in)."""
         self.hung_up = True
+        if self._resp is not None:  # closing the client leaves the thread's read blocked:
+            stream = self._resp.extensions.get("network_stream")  # end it at the socket
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         self._client.close()
         self._thread.join(10)
 
