@@ -46,7 +46,7 @@ from tests.kube.operator_process import free_port, healthy
 
 REPO = Path(__file__).resolve().parents[2]
 # Fast reactions for a test cluster; a real deployment keeps the operator's defaults.
-OPERATOR_ENV = {"BATON_OPERATOR_RETRY_SECONDS": "1", "BATON_OPERATOR_PLAN_SECONDS": "1"}
+OPERATOR_ENV = {"BATON_OPERATOR_RETRY_SECONDS": "1", "BATON_OPERATOR_PLAN_SECONDS": "0.5"}
 
 
 class LocalCluster:

@@ -46,7 +46,7 @@ ROUTER_OBJECTS = [("deployment", f"{NAME}-router"), ("service", NAME),
                   ("serviceaccount", f"{NAME}-router"), ("role", f"{NAME}-router"),
                   ("rolebinding", f"{NAME}-router")]
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
-PLANNER_WINDOW_S = 8
+PLANNER_WINDOW_S = 6
 PLAN_S = float(OPERATOR_ENV["BATON_OPERATOR_PLAN_SECONDS"])  # the operator plans this often
 
 
@@ -57,8 +57,10 @@ def sample(local: LocalCluster) -> Path:
     service = yaml.safe_load(SAMPLE.read_text())
     for role, tokens in (("prefill", KV_TOKENS), ("decode", DECODE_KV_TOKENS)):
         service["spec"][role]["args"] = ["--max-total-tokens", str(tokens)]
-    # the planner's figures over the last 8 s (60 by default): the e2e's loads are short
-    service["spec"]["router"]["args"] = ["--planner-window-s", str(PLANNER_WINDOW_S)]
+    # the planner's figures over the last few seconds (60 by default, workers polled every 1 s
+    # here): the e2e's loads are short
+    service["spec"]["router"]["args"] = ["--planner-window-s", str(PLANNER_WINDOW_S),
+                                         "--health-interval-s", "1"]
     path = local.root / "inferenceservice.yaml"
     path.write_text(yaml.safe_dump(service))
     return path
