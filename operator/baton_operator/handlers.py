@@ -72,7 +72,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 60
     settings.watching.server_timeout = 300
     memo.planning = Planning(time.monotonic)
-    METRICS.explain = lambda: memo.planning.explained
+    METRICS.explain = lambda: dict(memo.planning.explained)  # a copy: the timer writes it
     METRICS.serve(CONFIG.metrics_port)
     memo.kube = Kube.from_environment()
     memo.gates = Gates()
