@@ -56,7 +56,7 @@ def router_figures(kube: Kube, svc: InferenceService, timeout: float = FETCH_TIM
     """The figures of the first ready router pod that answers."""
     pods = kube.select("v1", "Pod", svc.namespace, {LABEL_INSTANCE: svc.name,
                                                      LABEL_ROLE: "router"})
-    ready = [p for p in pods if _ready(p) and (p.get("status") or {}).get("podIP")]
+    ready = [p for p in pods if pod_ready(p) and (p.get("status") or {}).get("podIP")]
     if not ready:
         return Figures(None, "", "no router pod is ready")
     errors = []
@@ -76,7 +76,8 @@ def router_figures(kube: Kube, svc: InferenceService, timeout: float = FETCH_TIM
     return Figures(None, "", "; ".join(errors))
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The pod's Ready condition is True."""
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
 
@@ -126,7 +127,6 @@ class Decision:
     recommended: dict[str, int]  # role -> the model's replicas (none without figures)
     replicas: dict[str, int]  # mode planner: role -> what the pool runs from now on
     status: dict[str, Any]  # status.planner
-    explanation: dict[str, Any]  # /debug/planner of the operator
 
 
 class Planning:
@@ -168,7 +168,7 @@ class Planning:
                        "plans": {r: asdict(p) for r, p in plans.items()}, "status": status,
                        "at": _utc_now()}
         self.explained[f"{svc.namespace}/{svc.name}"] = explanation
-        return Decision(recommended, replicas, status, explanation)
+        return Decision(recommended, replicas, status)
 
     def forget(self, namespace: str, name: str) -> None:
         self.explained.pop(f"{namespace}/{name}", None)

@@ -27,6 +27,7 @@ import kubernetes
 import openai
 import pytest
 import yaml
+from baton_operator.planning import pod_ready
 
 from tests.e2e.cluster import OPERATOR_ENV, REPO, LocalCluster
 from tests.kube.isvc_helpers import Cluster, wait_for
@@ -371,7 +372,7 @@ def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
     patch_autoscaling({**targets, "ttftTarget": 1, "mode": "planner", "cooldownSeconds": 6,
                        "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 1}})
     with Load(url, LONG, 2) as steady:
-        wait_for(lambda: len([p for p in pods(cluster, "prefill") if _pod_ready(p)]) == 2,
+        wait_for(lambda: len([p for p in pods(cluster, "prefill") if pod_ready(p)]) == 2,
                  READY_S, lambda: f"a second prefill; status.planner {planner_status(cluster)}")
         replicas = set()
         for _ in range(10):  # ten plans with the load going on: the pools stay
@@ -390,11 +391,6 @@ def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
     wait_for(lambda: cluster.condition(NAME, "Autoscaling") == {} and not planner_status(cluster),
              30, "autoscaling off")
     wait_for(lambda: ready(cluster), READY_S, "Ready again")
-
-
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,

@@ -15,7 +15,7 @@ from runtime.forward_batch import ForwardBatch, ForwardOutput
 from runtime.scheduler.req import Req
 from runtime.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_runner import FakeRunner
-from tests.scheduler.test_prebuilt import CopyHandoff
+from tests.scheduler.test_prebuilt import run_pd
 from tests.scheduler.test_scheduler import make_req, run
 
 FORWARD_S = 0.003  # every forward of the slow runner takes at least this long
@@ -84,23 +84,8 @@ def test_a_retracted_prompt_counts_once() -> None:
 def test_prefill_counts_prompts_and_decode_counts_outputs() -> None:
     """PD: the prefill received and prefilled every prompt and finished nothing here; the decode
     received nothing to prefill (its requests come prebuilt) and finished every output."""
-    p_runner, d_runner = FakeRunner(num_pages=64), FakeRunner(num_pages=48, page_size=4)
-    cfg = SchedulerConfig(enable_overlap=False, chunked_prefill_size=16)
-    prefill, decode = Scheduler(cfg, p_runner), Scheduler(cfg, d_runner)
-    handoff = CopyHandoff(prefill, p_runner, d_runner, decode)
-    reqs = [make_req(f"r{i}", 3 + 7 * i, 1, seed=i) for i in range(4)]
-    for i, r in enumerate(reqs):
-        r.extra_max_new = 5 + i  # type: ignore[attr-defined]
-        r.hand_off_after_prompt()
-        prefill.add_request(r)
-    for _ in range(500):
-        if not (prefill.has_work() or handoff.allocated or decode.has_work()):
-            break
-        if prefill.has_work():
-            prefill.step()
-        handoff.pump()
-        if decode.has_work():
-            decode.step()
+    pair = run_pd(4, overlap=False)
+    prefill, decode, handoff = pair.prefill, pair.decode, pair.handoff
     assert len(handoff.delivered) == 4
     p, d = prefill.figures, decode.figures
     assert (p.received, p.prompts.n, p.prompts.sum, p.outputs.n) == (4, 4, 3 + 10 + 17 + 24, 0)

@@ -6,6 +6,8 @@ the wrong place changes every later token."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -51,14 +53,27 @@ class CopyHandoff:
         self.delivered[twin.rid] = twin
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_prefill_handoff_then_prebuilt_decode_gives_colocated_tokens(overlap: bool) -> None:
+@dataclass
+class Pair:
+    """A prefill scheduler, a decode scheduler and the hand-off between them, on fake runners."""
+
+    prefill: Scheduler
+    decode: Scheduler
+    p_runner: FakeRunner
+    d_runner: FakeRunner
+    handoff: CopyHandoff
+    reqs: list[Req]
+
+
+def run_pd(n: int, overlap: bool) -> Pair:
+    """n requests (prompts of 3, 10, 17, ... tokens: chunked; request i makes 5 + i tokens)
+    through prefill -> hand-off -> decode until nothing is left."""
     p_runner, d_runner = FakeRunner(num_pages=64), FakeRunner(num_pages=48, page_size=4)
     cfg = SchedulerConfig(enable_overlap=overlap, chunked_prefill_size=16)
     decode = Scheduler(cfg, d_runner)
     prefill = Scheduler(cfg, p_runner)
     handoff = CopyHandoff(prefill, p_runner, d_runner, decode)
-    reqs = [make_req(f"r{i}", 3 + 7 * i, 1, seed=i) for i in range(6)]  # prompt 3..38: chunked
+    reqs = [make_req(f"r{i}", 3 + 7 * i, 1, seed=i) for i in range(n)]
     for i, r in enumerate(reqs):
         r.extra_max_new = 5 + i  # type: ignore[attr-defined]
         r.hand_off_after_prompt()
@@ -71,6 +86,14 @@ def test_prefill_handoff_then_prebuilt_decode_gives_colocated_tokens(overlap: bo
         handoff.pump()
         if decode.has_work():
             decode.step()
+    return Pair(prefill, decode, p_runner, d_runner, handoff, reqs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_handoff_then_prebuilt_decode_gives_colocated_tokens(overlap: bool) -> None:
+    pair = run_pd(6, overlap)  # prompts 3..38: chunked
+    prefill, decode, handoff, reqs = pair.prefill, pair.decode, pair.handoff, pair.reqs
+    p_runner, d_runner = pair.p_runner, pair.d_runner
     assert set(handoff.delivered) == {r.rid for r in reqs}
     for r in reqs:
         got = handoff.delivered[r.rid]
