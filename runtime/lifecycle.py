@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 IPC_PREFIX = "baton-ipc-"
+# a Unix socket's path, the terminating NUL included, fits in sockaddr_un.sun_path (108 bytes on
+# Linux); the longest name under the directory is "from_scheduler"
+SOCKET_PATH_MAX = 107
+LONGEST_SOCKET = "from_scheduler"
+FALLBACK_TMP = "/tmp"
 _IPC_DIR = re.compile(rf"{IPC_PREFIX}(\d+)-")  # baton-ipc-<owner pid>-<random>
 
 
@@ -47,11 +52,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def make_ipc_dir() -> str:
-    """A fresh private directory for this process's IPC sockets, named after its pid; the
-    directories of dead owners (a SIGKILLed `baton serve` cleans nothing) are removed first."""
-    clean_stale_ipc_dirs()
-    return tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+def make_ipc_dir(root: str | None = None) -> str:
+    """A fresh private directory for this process's IPC sockets, named after its pid, in the
+    temp dir (`root`: another), or in /tmp where that is too deep for a socket's path (a deep
+    $TMPDIR: a test runner's, a job's); the directories of dead owners (a SIGKILLed
+    `baton serve` cleans nothing) are removed first."""
+    root = root or tempfile.gettempdir()
+    longest = len(os.path.join(root, f"{IPC_PREFIX}{os.getpid()}-{'x' * 8}", LONGEST_SOCKET))
+    if longest > SOCKET_PATH_MAX:
+        log.info("the temp dir %s is too deep for IPC socket paths: using %s", root, FALLBACK_TMP)
+        root = FALLBACK_TMP
+    clean_stale_ipc_dirs(root)
+    return tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-", dir=root)
 
 
 def clean_stale_ipc_dirs(root: str | None = None) -> list[Path]:

@@ -26,3 +26,27 @@ def test_only_the_ipc_dirs_of_dead_owners_are_removed(tmp_path: Path) -> None:
         (d / "to_scheduler").touch()
     assert sorted(clean_stale_ipc_dirs(str(tmp_path))) == sorted([dead, mine])
     assert not dead.exists() and not mine.exists() and live.exists() and other.exists()
+
+
+def test_a_temp_dir_too_deep_for_socket_paths_falls_back_to_tmp(tmp_path: Path) -> None:
+    """A deep $TMPDIR (a test runner's worker folder, a CI job's) would make the sockets'
+    paths longer than a sockaddr_un holds, and the server fail at start: the sockets go to /tmp
+    then, and a socket binds there."""
+    import shutil
+    import socket
+
+    from runtime.lifecycle import LONGEST_SOCKET, SOCKET_PATH_MAX, make_ipc_dir
+
+    shallow = make_ipc_dir(str(tmp_path))
+    deep_root = tmp_path / ("d" * 60) / ("e" * 60)
+    deep_root.mkdir(parents=True)
+    deep = make_ipc_dir(str(deep_root))
+    try:
+        assert Path(shallow).parent == tmp_path
+        assert Path(deep).parent == Path("/tmp") and Path(deep).name.startswith(IPC_PREFIX)
+        path = os.path.join(deep, LONGEST_SOCKET)
+        assert len(path) <= SOCKET_PATH_MAX < len(str(deep_root / Path(deep).name / LONGEST_SOCKET))
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+    finally:
+        shutil.rmtree(deep, ignore_errors=True)

@@ -35,7 +35,7 @@ from tests.kube.kubectl_tool import helm, kubectl, run_kubectl, table_cells
 from tests.server.server_process import ServerProcess
 from tests.up_process import alive, descendants
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, pytest.mark.solo]
 NS, NAME = "serving", "smollm2"
 SAMPLE = REPO / "manifests" / "samples" / "inferenceservice.yaml"
 READY_S = 240  # three model servers loading at once on two cores

@@ -159,7 +159,9 @@ def _completion(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[lis
         with http.stream("POST", f"{url}/v1/completions", json=body) as s:
             assert s.status_code == 200, s.read()
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and len(lines) > 3, lines  # token by token
+        # SSE events, then [DONE]; how many events depends on how fast the client reads: the
+        # deltas of steps it has not read yet go out as one event (a loaded machine gives one)
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2, lines
         choices = [c for ln in lines[:-1] for c in json.loads(ln[6:])["choices"]]
     assert choices and all("token_ids" not in c for c in choices)  # the router keeps its own
     assert choices[-1]["finish_reason"] == "length", choices[-1]
