@@ -34,15 +34,17 @@ def test_a_temp_dir_too_deep_for_socket_paths_falls_back_to_tmp(tmp_path: Path) 
     then, and a socket binds there."""
     import shutil
     import socket
+    import tempfile
 
     from runtime.lifecycle import LONGEST_SOCKET, SOCKET_PATH_MAX, make_ipc_dir
 
-    shallow = make_ipc_dir(str(tmp_path))
+    short_root = Path(tempfile.mkdtemp(prefix="ipc-", dir="/tmp"))
+    shallow = make_ipc_dir(str(short_root))
     deep_root = tmp_path / ("d" * 60) / ("e" * 60)
     deep_root.mkdir(parents=True)
     deep = make_ipc_dir(str(deep_root))
     try:
-        assert Path(shallow).parent == tmp_path
+        assert Path(shallow).parent == short_root
         assert Path(deep).parent == Path("/tmp") and Path(deep).name.startswith(IPC_PREFIX)
         path = os.path.join(deep, LONGEST_SOCKET)
         assert len(path) <= SOCKET_PATH_MAX < len(str(deep_root / Path(deep).name / LONGEST_SOCKET))
@@ -50,3 +52,4 @@ def test_a_temp_dir_too_deep_for_socket_paths_falls_back_to_tmp(tmp_path: Path) 
             s.bind(path)
     finally:
         shutil.rmtree(deep, ignore_errors=True)
+        shutil.rmtree(short_root, ignore_errors=True)

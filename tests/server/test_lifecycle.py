@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -204,8 +205,9 @@ def _probe(srv: ServerProcess, statuses: list[int]) -> bool:
 
 def test_sigkill_of_the_http_process_under_load_leaves_nothing(
         tiny_path: Path, tmp_path: Path) -> None:
-    tmp = tmp_path / "tmp"  # the servers' temp dir: their IPC directories are made here
-    tmp.mkdir()
+    # the servers' temp dir, where their IPC directories are made: a short one (a deeper one
+    # than a socket's path allows sends them to /tmp)
+    tmp = Path(tempfile.mkdtemp(prefix="lifecycle-", dir="/tmp"))
     env = {"TMPDIR": str(tmp)}
     srv = ServerProcess("--served-model-name", "tiny", model=str(tiny_path), env=env,
                         log_path=tmp_path / "killed.log")
@@ -237,3 +239,4 @@ def test_sigkill_of_the_http_process_under_load_leaves_nothing(
     finally:
         assert again.stop() == 0, again.log()
     assert not list(tmp.glob("baton-ipc-*"))
+    tmp.rmdir()
