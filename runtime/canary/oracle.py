@@ -8,7 +8,10 @@ The Python and torch versions agree bit for bit (tests/canary).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the scalar functions serve without torch (the router's probes)
+    import torch
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -58,4 +61,6 @@ def oracle_tokens(identities: torch.Tensor, positions: torch.Tensor, vocab_size:
 
 def identities(rids_int: torch.Tensor, rooms_int: torch.Tensor) -> torch.Tensor:
     """The oracle's id per row: the bootstrap room where there is one, else the rid hash."""
+    import torch
+
     return torch.where(rooms_int >= 0, rooms_int, rids_int)

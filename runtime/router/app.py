@@ -4,7 +4,8 @@
 ready workers by policy and forward (`proxy.py`). `GET /health` 200 while up; `GET /ready` 200
 when at least one prefill and one decode worker are ready; `GET /metrics` (Prometheus);
 `GET /v1/models` from a ready decode worker; `POST /abort {"rid"}` to every worker;
-`GET /debug/planner`: the P:D planner's figures over the last `--planner-window-s`. Errors
+`GET /debug/planner`: the P:D planner's figures over the last `--planner-window-s`;
+`POST /debug/probe`: the rollout gate's probes through a named pair (`probe.py`). Errors
 are JSON `{"error": {"message", "type", "code", "param"}}`.
 """
 
@@ -44,8 +45,15 @@ from runtime.router.metrics import RouterMetrics
 from runtime.router.pairing import Pairing
 from runtime.router.pairs import PairTable
 from runtime.router.policy import build_policy, load
+from runtime.router.probe import ProbeBody, run_probes
 from runtime.router.proxy import Proxy
-from runtime.router.request import ENDPOINTS, RoutedRequest, parse_abort, parse_request
+from runtime.router.request import (
+    ENDPOINTS,
+    RoutedRequest,
+    parse_abort,
+    parse_model,
+    parse_request,
+)
 from runtime.router.tenants import TenantSalts
 from runtime.router.tokenizer import RouterTokenizer
 from runtime.router.workers import Worker, Workers
@@ -280,6 +288,21 @@ def _add_routes(app: FastAPI, router: Router) -> None:
         """The P:D planner's figures, measured (runtime/router/figures.py)."""
         ready = {role: len(router.workers.pool(role).ready()) for role in ROLES}
         return router.planner.view(ready, time.monotonic())
+
+    @app.post("/debug/probe", include_in_schema=False)
+    async def probe(request: Request) -> dict[str, Any]:
+        """The rollout gate's probes through the pair the body names (runtime/router/probe.py)."""
+        body = parse_model(ProbeBody, await request.body(), request.headers.get("content-type"))
+        try:
+            verdict = await run_probes(router.client, router.proxy, router.key,
+                                       router.config.ticket_ttl_s, body)
+        finally:  # a probed server outside the pools leaves no series behind
+            members = {w.url for w in router.workers.all()}
+            probed: list[tuple[Role, str]] = [("prefill", body.prefill), ("decode", body.decode)]
+            for role, url in probed:
+                if url.rstrip("/") not in members:
+                    router.metrics.forget_worker(role, url.rstrip("/"))
+        return verdict.body()
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index() -> dict[str, Any]:

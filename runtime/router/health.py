@@ -81,8 +81,7 @@ class HealthChecker:
             worker.unanswered = 0
             if ready:
                 body = _body(response)
-                worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(body)
-                worker.tp, worker.revision = _shown(body)
+                learn(worker, body)
                 self.figures.observe(worker.role, worker.url, body, time.monotonic())
         except httpx.ConnectError as e:
             ready, why = False, f"{type(e).__name__}: {e}"
@@ -96,6 +95,12 @@ class HealthChecker:
             log.info("%s worker %s is %s (%s)", worker.role, worker.url,
                      "ready" if ready else "not ready", "GET /ready 200" if ready else why)
         worker.ready = ready
+
+
+def learn(worker: Worker, body: dict[str, Any]) -> None:
+    """What a ready worker's /ready body tells the router, set on `worker`."""
+    worker.kv_transfer, worker.instance_id, worker.local_prefill = _kv_transfer(body)
+    worker.tp, worker.revision = _shown(body)
 
 
 def _body(response: httpx.Response) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from runtime.auth.key import ClusterKey
 from runtime.auth.ticket import sign
@@ -32,6 +32,8 @@ from runtime.router.errors import RouterError
 from runtime.router.workers import Worker
 from runtime.tokenizer import chat_prompt_ids
 from runtime.validation import InvalidRequest, describe_errors, parse_json_body
+
+M = TypeVar("M", bound=BaseModel)
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (GENERATE, COMPLETIONS, CHAT)
@@ -127,9 +129,14 @@ def parse_request(endpoint: str, raw: bytes, content_type: str | None) -> Routed
 
 def parse_abort(raw: bytes, content_type: str | None) -> str:
     """The rid of `POST /abort {"rid": X}`."""
+    return parse_model(AbortBody, raw, content_type).rid
+
+
+def parse_model(model: type[M], raw: bytes, content_type: str | None) -> M:
+    """A JSON body read as `model` (a 400 naming the field otherwise)."""
     body = _json_object(raw, content_type)
     try:
-        return AbortBody.model_validate(body).rid
+        return model.model_validate(body)
     except ValidationError as e:
         raise rejected(describe_errors(e.errors())) from None
 

@@ -147,7 +147,8 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
     async def server_info() -> dict[str, Any]:
         """What this server runs (sglang's names): model, architecture, role, dtype and KV
         cache dtype (the model's, or fp8_e4m3), its KV pool's tokens, the ranks its model is
-        split over, its revision (runtime/revision.py)."""
+        split over, its revision (runtime/revision.py), its vocabulary, sampler and KV canary
+        (the rollout gate's probes need the token oracle and the canary: runtime/router/probe.py)."""
         info = tm.info
         if info is None:
             raise ApiError(503, "not ready", "service_unavailable", "not_ready")
@@ -159,7 +160,10 @@ def _add_probes(app: FastAPI, tm: TokenizerManager) -> None:
                 "instance_id": info.instance_id, "tp": tm.args.engine.tp,
                 "revision": tm.args.revision,
                 "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
-                "max_total_tokens": info.kv_capacity_tokens}
+                "max_total_tokens": info.kv_capacity_tokens, "vocab_size": info.vocab_size,
+                "sampler_backend": tm.args.engine.sampler_backend,
+                "kv_canary": tm.args.canary.kv_canary,
+                "kv_canary_bytes": tm.args.canary.kv_canary_bytes}
 
     @app.get("/debug/stats", include_in_schema=False)
     async def stats() -> dict[str, Any]:
