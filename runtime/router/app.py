@@ -291,7 +291,15 @@ def _add_routes(app: FastAPI, router: Router) -> None:
 
     @app.post("/debug/probe", include_in_schema=False)
     async def probe(request: Request) -> dict[str, Any]:
-        """The rollout gate's probes through the pair the body names (runtime/router/probe.py)."""
+        """The rollout gate's probes through the pair the body names (runtime/router/probe.py).
+        It sends requests wherever its body says, so it needs the admin key, also where the
+        other debug views are open (no API keys)."""
+        if not router.api_keys.is_admin(request.headers.get("authorization")):
+            none = "" if router.api_keys.admin is not None else (
+                ", and this router has none (start it with --admin-api-key or "
+                "$BATON_ADMIN_API_KEY)")
+            raise RouterError(403, f"POST /debug/probe needs the admin key{none}",
+                              code="admin_key_required")
         body = parse_model(ProbeBody, await request.body(), request.headers.get("content-type"))
         try:
             verdict = await run_probes(router.client, router.proxy, router.key,

@@ -80,7 +80,7 @@ class HealthChecker:
             ready, why = response.status_code == 200, f"status {response.status_code}"
             worker.unanswered = 0
             if ready:
-                body = _body(response)
+                body = json_body(response)
                 learn(worker, body)
                 self.figures.observe(worker.role, worker.url, body, time.monotonic())
         except httpx.ConnectError as e:
@@ -103,7 +103,7 @@ def learn(worker: Worker, body: dict[str, Any]) -> None:
     worker.tp, worker.revision = _shown(body)
 
 
-def _body(response: httpx.Response) -> dict[str, Any]:
+def json_body(response: httpx.Response) -> dict[str, Any]:
     """A /ready body as a JSON object ({} when it is none)."""
     try:
         body = response.json()

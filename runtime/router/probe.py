@@ -32,7 +32,7 @@ from runtime.auth.key import ClusterKey
 from runtime.canary.oracle import oracle_sequence
 from runtime.router.attempt import Attempt
 from runtime.router.errors import RouterError, UpstreamFailure
-from runtime.router.health import learn
+from runtime.router.health import json_body, learn
 from runtime.router.policy import same_kv
 from runtime.router.proxy import Proxy
 from runtime.router.request import GENERATE, parse_request
@@ -121,8 +121,12 @@ async def _probeable(client: httpx.AsyncClient, worker: Worker) -> dict[str, Any
     if ready.status_code != 200 or info.status_code != 200:
         raise RouterError(409, f"{worker.role} {worker.url} is not ready (GET /ready "
                                f"{ready.status_code})", code="not_probeable")
-    learn(worker, ready.json())
-    shown = info.json()
+    learn(worker, json_body(ready))
+    shown = json_body(info)
+    if not isinstance(shown.get("vocab_size"), int):
+        raise RouterError(409, f"{worker.role} {worker.url} cannot be probed: its /server_info "
+                               "shows no vocab_size (not a baton server of this version)",
+                          code="not_probeable")
     missing = [what for what, on in (
         (f"the {ORACLE} sampler (--sampler-backend {ORACLE})", shown.get("sampler_backend") == ORACLE),
         ("the KV canary (--kv-canary log|raise)", shown.get("kv_canary") not in (None, "none")),

@@ -19,6 +19,7 @@ from runtime.router.probe import oracle_mismatch
 from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_port
 
+ADMIN = "probe-admin-key"
 GATED = ("--kv-transfer", "tcp", "--sampler-backend", "token_oracle", "--kv-canary", "raise",
          "--kv-canary-bytes", "all")
 
@@ -51,7 +52,7 @@ def pods(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             proc.wait_ready()
         # the router serves the sound pair; the probes name their pair, in its pools or not
         router = start_router("--prefill", f"{procs[0].url},{ports[0]}", "--decode", procs[2].url,
-                              log_path=logs / "router.log", env=env)
+                              "--admin-api-key", ADMIN, log_path=logs / "router.log", env=env)
         yield Pods(procs[0], ports[0], procs[1], ports[1], procs[2], router)
     finally:
         if router is not None:
@@ -64,7 +65,8 @@ def pods(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def probe(pods: Pods, prefill: ServerProcess, port: int, decode: ServerProcess,
           **extra: object) -> httpx.Response:
     body = {"prefill": prefill.url, "bootstrap_port": port, "decode": decode.url, **extra}
-    return httpx.post(f"{pods.router.url}/debug/probe", json=body, timeout=120)
+    return httpx.post(f"{pods.router.url}/debug/probe", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {ADMIN}"})
 
 
 def test_a_sound_pair_passes_every_probe_with_the_oracles_tokens(pods: Pods) -> None:
@@ -114,6 +116,23 @@ def test_servers_that_cannot_prove_anything_are_refused(pods: Pods,
                 {"surprise": 1}):
         r = probe(pods, pods.sound, pods.sound_port, pods.decode, **bad)
         assert r.status_code == 400, (bad, r.text)
+
+
+def test_only_the_admin_key_opens_it(pods: Pods, tmp_path: Path) -> None:
+    """It sends requests where its body says: with no API keys the other debug views are open,
+    this one needs the admin key, and a router without one refuses it and says how to set one."""
+    body = {"prefill": pods.sound.url, "bootstrap_port": pods.sound_port, "decode": pods.decode.url}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{pods.router.url}/debug/probe", json=body, headers=headers, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+    assert httpx.get(f"{pods.router.url}/debug/pairs").status_code == 200  # open, no keys
+    bare = start_router("--prefill", f"{pods.sound.url},{pods.sound_port}", "--decode",
+                        pods.decode.url, log_path=tmp_path / "bare.log")
+    try:
+        r = httpx.post(f"{bare.url}/debug/probe", json=body, timeout=30)
+        assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"], r.text
+    finally:
+        bare.stop()
 
 
 def test_the_verdict_compares_every_token_with_the_oracles() -> None:
