@@ -11,7 +11,8 @@ QUANT  ?= int4
 PYTEST_ARGS ?=
 # two pytest workers, a test file each at a time (a file's servers stay in one process): run
 # one after another, the suite's processes leave a core idle about a third of the time on a
-# 2-core machine (2048 s of pytest in one process, 1450 s on two workers, same machine)
+# 2-core machine (2048 s of pytest in one process, 1323 s on two workers + 191 s of solo tests,
+# same machine; a fresh clone's `make test`: 27:41)
 PYTEST_WORKERS ?= 2
 
 .PHONY: install model run test lint bench clean prometheus

@@ -104,7 +104,7 @@ def learn(worker: Worker, body: dict[str, Any]) -> None:
 
 
 def json_body(response: httpx.Response) -> dict[str, Any]:
-    """A /ready body as a JSON object ({} when it is none)."""
+    """A worker's answer (/ready, /server_info) as a JSON object ({} when it is none)."""
     try:
         body = response.json()
     except ValueError:
