@@ -131,10 +131,13 @@ class ApiKeyGate:
     """ASGI middleware: a request outside the open paths needs one of the keys."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, protect_metrics: bool = False,
-                 metrics: frozenset[str] = frozenset({"/metrics"})) -> None:
+                 metrics: frozenset[str] = frozenset({"/metrics"}),
+                 admin_only: frozenset[str] = frozenset()) -> None:
         """`metrics`: the paths of aggregate numbers, open like /metrics unless
-        `protect_metrics` (the router's /debug/planner, which the operator's planner reads)."""
-        self.app, self.keys = app, keys
+        `protect_metrics` (the router's /debug/planner, which the operator's planner reads);
+        `admin_only`: debug paths that need the admin key also without API keys (the router's
+        /debug/probe, which sends requests wherever its body says)."""
+        self.app, self.keys, self.admin_only = app, keys, admin_only
         self.open = PROBES if protect_metrics else PROBES | metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -147,8 +150,8 @@ class ApiKeyGate:
                    if not self.keys.keys() else "Incorrect API key provided" if header else
                    "Missing API key: send it as `Authorization: Bearer <key>`")
             return await _refuse(send, 401, why, "invalid_api_key")
-        if path.startswith(OPERATOR_PREFIX) and self.keys.enabled \
-                and not self.keys.is_admin(header):
+        admin = path in self.admin_only or (path.startswith(OPERATOR_PREFIX) and self.keys.enabled)
+        if admin and not self.keys.is_admin(header):
             why = ("The debug views need the admin key" if self.keys.admin is not None else
                    "The debug views need an admin key, and this server has none (start it "
                    "with --admin-api-key or $BATON_ADMIN_API_KEY)")

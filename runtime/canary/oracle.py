@@ -61,6 +61,4 @@ def oracle_tokens(identities: torch.Tensor, positions: torch.Tensor, vocab_size:
 
 def identities(rids_int: torch.Tensor, rooms_int: torch.Tensor) -> torch.Tensor:
     """The oracle's id per row: the bootstrap room where there is one, else the rid hash."""
-    import torch
-
-    return torch.where(rooms_int >= 0, rooms_int, rids_int)
+    return rooms_int.where(rooms_int >= 0, rids_int)

@@ -247,7 +247,8 @@ def create_app(config: RouterConfig, discovery: Discovery | None = None,
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeyGate, keys=router.api_keys, protect_metrics=config.protect_metrics,
-                       metrics=frozenset({"/metrics", "/debug/planner"}))
+                       metrics=frozenset({"/metrics", "/debug/planner"}),
+                       admin_only=frozenset({"/debug/probe"}))
     _add_routes(app, router)
     _add_error_handlers(app)
     return app
@@ -291,15 +292,8 @@ def _add_routes(app: FastAPI, router: Router) -> None:
 
     @app.post("/debug/probe", include_in_schema=False)
     async def probe(request: Request) -> dict[str, Any]:
-        """The rollout gate's probes through the pair the body names (runtime/router/probe.py).
-        It sends requests wherever its body says, so it needs the admin key, also where the
-        other debug views are open (no API keys)."""
-        if not router.api_keys.is_admin(request.headers.get("authorization")):
-            none = "" if router.api_keys.admin is not None else (
-                ", and this router has none (start it with --admin-api-key or "
-                "$BATON_ADMIN_API_KEY)")
-            raise RouterError(403, f"POST /debug/probe needs the admin key{none}",
-                              code="admin_key_required")
+        """The rollout gate's probes through the pair the body names (runtime/router/probe.py;
+        the admin key's alone, also without API keys: ApiKeyGate's `admin_only`)."""
         body = parse_model(ProbeBody, await request.body(), request.headers.get("content-type"))
         try:
             verdict = await run_probes(router.client, router.proxy, router.key,
@@ -308,8 +302,8 @@ def _add_routes(app: FastAPI, router: Router) -> None:
             members = {w.url for w in router.workers.all()}
             probed: list[tuple[Role, str]] = [("prefill", body.prefill), ("decode", body.decode)]
             for role, url in probed:
-                if url.rstrip("/") not in members:
-                    router.metrics.forget_worker(role, url.rstrip("/"))
+                if url not in members:
+                    router.metrics.forget_worker(role, url)
         return verdict.body()
 
     @app.get("/debug/kv_index", include_in_schema=False)

@@ -1,4 +1,4 @@
-"""The correctness gate's probes (issue 39; docs/rollouts.md "The gate"): requests through one
+"""The correctness gate's probes (issue 39; docs/rollouts.md "The gate's probes"): requests through one
 named (prefill, decode) pair, outside the router's pools, each checked token by token.
 
     POST /debug/probe {"prefill": URL, "bootstrap_port": N, "decode": URL,
@@ -10,7 +10,7 @@ alone (runtime/canary/oracle.py), so each probe's output is known before it runs
 weights; the canary checks every slot of KV the decode reads, the prompt's that came over the
 wire included. A probe passes when it answers 200 with exactly the oracle's tokens, and
 neither server's canary counted a violation while the probes ran. The answer names each probe
-("probe 2: 300 prompt tokens, prefill P -> decode D") and why one failed; `passed` is the
+("probe 3: 300 prompt tokens, prefill P -> decode D") and why one failed; `passed` is the
 verdict. The prompts are token ids drawn from a seeded generator over the vocabulary: the
 oracle does not read them, the canary's tags do.
 """
@@ -23,10 +23,10 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from runtime.auth.key import ClusterKey
 from runtime.canary.oracle import oracle_sequence
@@ -43,21 +43,19 @@ SEED = 39  # the prompts' generator: the same probes every time
 VIOLATIONS = re.compile(r"^baton_kv_canary_violations_total(?:\{[^}]*\})?\s+(\S+)$", re.M)
 
 
+Url = Annotated[str, Field(pattern=r"^https?://"), AfterValidator(lambda url: url.rstrip("/"))]
+
+
 class ProbeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prefill: str = Field(pattern=r"^https?://")
+    prefill: Url
     bootstrap_port: int = Field(ge=1, le=65535)
-    decode: str = Field(pattern=r"^https?://")
+    decode: Url
     # a page and less, several pages and a partial one, many pages (the builtin's are 16)
-    prompt_tokens: list[int] = Field(default=[5, 40, 300], min_length=1, max_length=16)
+    prompt_tokens: list[Annotated[int, Field(ge=1, le=32768)]] = Field(
+        default=[5, 40, 300], min_length=1, max_length=16)
     max_tokens: int = Field(default=8, ge=1, le=256)
-
-    def lengths(self) -> list[int]:
-        bad = [n for n in self.prompt_tokens if not 1 <= n <= 32768]
-        if bad:
-            raise RouterError(400, f"prompt_tokens: {bad} not in [1, 32768]", param="prompt_tokens")
-        return self.prompt_tokens
 
 
 @dataclass
@@ -69,13 +67,16 @@ class ProbeResult:
 
 @dataclass
 class Verdict:
-    passed: bool
     probes: list[ProbeResult] = field(default_factory=list)
-    failed: str | None = None  # the first failed probe's name and reason
     violations: dict[str, float] = field(default_factory=dict)  # canary counts during the probes
 
+    @property
+    def failed(self) -> str | None:
+        """The first failed probe's name and reason."""
+        return next((f"{r.name}: {r.why}" for r in self.probes if not r.passed), None)
+
     def body(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"passed": self.failed is None, "failed": self.failed, **asdict(self)}
 
 
 async def run_probes(client: httpx.AsyncClient, proxy: Proxy, key: ClusterKey, ttl_s: float,
@@ -83,9 +84,8 @@ async def run_probes(client: httpx.AsyncClient, proxy: Proxy, key: ClusterKey, t
     """Every probe of `body` on its pair, one after another; a RouterError (409) when the pair
     cannot take probes at all (a server unreachable or not ready, without the oracle or the
     canary, or the two unable to exchange KV)."""
-    lengths = body.lengths()
-    p = Worker("prefill", body.prefill.rstrip("/"), body.bootstrap_port)
-    d = Worker("decode", body.decode.rstrip("/"))
+    p = Worker("prefill", body.prefill, body.bootstrap_port)
+    d = Worker("decode", body.decode)
     infos = await asyncio.gather(*(_probeable(client, w) for w in (p, d)))
     vocab = int(infos[1]["vocab_size"])
     if not same_kv(p, d):
@@ -94,7 +94,7 @@ async def run_probes(client: httpx.AsyncClient, proxy: Proxy, key: ClusterKey, t
     before = await _violations(client, (p, d))
     rng = random.Random(SEED)
     results = []
-    for n, length in enumerate(lengths, 1):
+    for n, length in enumerate(body.prompt_tokens, 1):
         name = f"probe {n}: {length} prompt tokens, prefill {p.url} -> decode {d.url}"
         ids = [rng.randrange(vocab) for _ in range(length)]
         why = await _probe(proxy, key, ttl_s, p, d, ids, body.max_tokens, vocab)
@@ -105,8 +105,7 @@ async def run_probes(client: httpx.AsyncClient, proxy: Proxy, key: ClusterKey, t
         if count > 0:
             results.append(ProbeResult(f"KV canary of {url}", False,
                                        f"{count:g} violation(s) while the probes ran"))
-    failed = next((f"{r.name}: {r.why}" for r in results if not r.passed), None)
-    return Verdict(failed is None, results, failed, counted)
+    return Verdict(results, counted)
 
 
 async def _probeable(client: httpx.AsyncClient, worker: Worker) -> dict[str, Any]:
