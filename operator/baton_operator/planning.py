@@ -51,17 +51,23 @@ class Figures:
     error: str | None = None
 
 
+def ready_routers(kube: Kube, svc: InferenceService) -> list[str]:
+    """`http://<pod IP>:8000` of every ready router pod of the service."""
+    pods = kube.select("v1", "Pod", svc.namespace, {LABEL_INSTANCE: svc.name,
+                                                     LABEL_ROLE: "router"})
+    return [f"http://{_host(p['status']['podIP'])}:{HTTP_PORT}" for p in pods
+            if pod_ready(p) and (p.get("status") or {}).get("podIP")]
+
+
 def router_figures(kube: Kube, svc: InferenceService, timeout: float = FETCH_TIMEOUT_S
                    ) -> Figures:
     """The figures of the first ready router pod that answers."""
-    pods = kube.select("v1", "Pod", svc.namespace, {LABEL_INSTANCE: svc.name,
-                                                     LABEL_ROLE: "router"})
-    ready = [p for p in pods if pod_ready(p) and (p.get("status") or {}).get("podIP")]
-    if not ready:
+    routers = ready_routers(kube, svc)
+    if not routers:
         return Figures(None, "", "no router pod is ready")
     errors = []
-    for pod in ready:
-        url = f"http://{_host(pod['status']['podIP'])}:{HTTP_PORT}{FIGURES_PATH}"
+    for router in routers:
+        url = f"{router}{FIGURES_PATH}"
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:
                 doc = json.loads(response.read())

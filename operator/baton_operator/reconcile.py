@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton_operator import API_VERSION, KIND
-from baton_operator.apply import NameConflict, apply, check_controller, delete_owned
+from baton_operator.apply import (
+    NameConflict,
+    apply,
+    check_controller,
+    controller_uid,
+    delete_owned,
+)
 from baton_operator.builders import (
     ChildKey,
     autoscaling_condition,
@@ -29,8 +35,9 @@ from baton_operator.capabilities import Capabilities
 from baton_operator.kube import ApiError, Kube
 from baton_operator.policy import PodPolicy, breaks_policy, check_policy
 from baton_operator.refusal import Refusal, find_refusals, hold
-from baton_operator.spec import ROLES, Images, InferenceService, InvalidSpec, parse_service
-from baton_operator.status import Problem, compute_status, invalid_status, same_status
+from baton_operator.rollout import Decision, Live, decide, live_deployments
+from baton_operator.spec import WORKER_ROLES, Images, InferenceService, InvalidSpec, parse_service
+from baton_operator.status import Problem, compute_status, invalid_status, merged, same_status
 
 REJECTED = (400, 422)  # the API server refuses what the spec renders into
 
@@ -91,25 +98,33 @@ def run_pass(kube: Kube, body: Mapping[str, Any], policy: PodPolicy,
         result.status = publish_invalid(kube, body, str(e))
         return result
     refusals = find_refusals(kube, svc, caps)
-    result = reconcile_children(kube, svc, policy, caps, refusals)
+    rollout = decide(kube, svc, body.get("status") or {})
+    result = reconcile_children(kube, svc, policy, caps, refusals, rollout)
     result.problems += [refusal.problem() for refusal in refusals]
+    pools = live_deployments(kube, svc)  # every revision's, as this pass left them
     deployments: dict[str, Mapping[str, Any] | None] = {
-        role: result.deployments.get(child_name(svc, role)) for role in ROLES}
+        "router": result.deployments.get(child_name(svc, "router")),
+        **{role: merged(pools[role]) for role in WORKER_ROLES}}
     extra = autoscaling_condition(svc, caps)
-    result.status = publish_status(kube, body, svc, deployments, result.problems,
-                                   [extra] if extra else [])
+    result.status = publish_status(
+        kube, body, svc, deployments, result.problems, [extra] if extra else [],
+        rollout=rollout.status(svc, {role: [Live.of(d) for d in ds] for role, ds in pools.items()}))
     return result
 
 
 def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy,
-                       caps: Capabilities | None = None, refusals: Sequence[Refusal] = ()
-                       ) -> PassResult:
-    """Create or restore every wanted child we may write (the pools `refusals` hold at 0
-    replicas); delete optional ones we own and no longer want. Conflicts and rejections are
-    collected; other API errors propagate."""
+                       caps: Capabilities | None = None, refusals: Sequence[Refusal] = (),
+                       rollout: Decision | None = None) -> PassResult:
+    """Create or restore every wanted child we may write (the worker Deployments as the
+    `rollout` shapes them, the pools `refusals` hold at 0 replicas); scale the older revisions'
+    Deployments as it says; delete optional ones we own and no longer want. Conflicts and
+    rejections are collected; other API errors propagate."""
     result = PassResult()
     _ensure_key(kube, svc, result)
-    children = hold(build_children(svc, caps), svc, refusals)
+    children = build_children(svc, caps)
+    if rollout is not None:
+        children = rollout.shape(svc, children)
+    children = hold(children, svc, refusals)
     # The router runs as the ServiceAccount this service owns; no template can name it.
     router = dataclasses.replace(
         policy, service_accounts=policy.service_accounts | {router_account(svc)})
@@ -120,12 +135,29 @@ def reconcile_children(kube: Kube, svc: InferenceService, policy: PodPolicy,
 
     for child in children:
         _apply_child(kube, child, svc, untrusted, result)
+    if rollout is not None:
+        for name, replicas in rollout.plan.old.items():
+            _scale(kube, svc, name, replicas, result)
     wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
-    for api_version, kind, name in optional_children(svc, caps):
+    done = [("apps/v1", "Deployment", name) for name in rollout.plan.delete] if rollout else []
+    for api_version, kind, name in [*optional_children(svc, caps), *done]:
         if (api_version, kind, name) not in wanted and delete_owned(
                 kube, api_version, kind, svc.namespace, name, svc.uid):
             result.changes.append(Change(kind, name, "deleted"))
     return result
+
+
+def _scale(kube: Kube, svc: InferenceService, name: str, replicas: int,
+           result: PassResult) -> None:
+    """An older revision's Deployment to `replicas` (rollout.py), if we control it."""
+    live = kube.get("apps/v1", "Deployment", svc.namespace, name)
+    if live is None or controller_uid(live) != svc.uid:
+        return
+    before = (live.get("spec") or {}).get("replicas")
+    if before != replicas:
+        kube.patch("apps/v1", "Deployment", svc.namespace, name, {"spec": {"replicas": replicas}})
+        result.changes.append(Change("Deployment", name, "patched",
+                                     f" (replicas {before} -> {replicas}: rollout)"))
 
 
 def _ensure_key(kube: Kube, svc: InferenceService, result: PassResult) -> None:
@@ -167,13 +199,14 @@ def _apply_child(kube: Kube, child: Mapping[str, Any], svc: InferenceService,
 
 def publish_status(kube: Kube, body: Mapping[str, Any], svc: InferenceService,
                    deployments: Mapping[str, Mapping[str, Any] | None],
-                   problems: list[Problem], extra: Sequence[Mapping[str, Any]] = ()
-                   ) -> StatusChange | None:
+                   problems: list[Problem], extra: Sequence[Mapping[str, Any]] = (),
+                   rollout: Mapping[str, Any] | None = None) -> StatusChange | None:
     """Recompute the status from the pools' Deployments (only those this pass found ours:
-    a name held by someone else counts as no Deployment) and the `extra` conditions; write
-    it only when it changed."""
+    a name held by someone else counts as no Deployment; a worker pool's revisions merged),
+    the `extra` conditions and the `rollout`'s state; write it only when it changed."""
     previous = dict(body.get("status") or {})
-    new = compute_status(svc, deployments, previous, svc.generation, problems, extra=extra)
+    new = compute_status(svc, deployments, previous, svc.generation, problems, extra=extra,
+                         rollout=rollout)
     return _write(kube, svc.namespace, svc.name, previous, new)
 
 

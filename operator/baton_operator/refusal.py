@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton_operator.apply import controller_uid, covers
-from baton_operator.builders import build_deployment, child_name, selector_labels
-from baton_operator.builders.pods import CONTAINER
+from baton_operator.builders import build_deployment, selector_labels
+from baton_operator.builders.common import deployment_name
+from baton_operator.builders.pods import CONTAINER, spec_revision
 from baton_operator.capabilities import Capabilities
 from baton_operator.kube import Kube
 from baton_operator.spec import WORKER_ROLES, InferenceService, WorkerRole
@@ -64,7 +65,7 @@ def find_refusals(kube: Kube, svc: InferenceService,
 def hold(children: Sequence[dict[str, Any]], svc: InferenceService,
          refusals: Sequence[Refusal]) -> list[dict[str, Any]]:
     """`children` with the Deployment of each held pool at 0 replicas, the refusal noted."""
-    held = {child_name(svc, r.role): r for r in refusals if r.held}
+    held = {deployment_name(svc, r.role, spec_revision(svc)): r for r in refusals if r.held}
     out = []
     for child in children:
         refusal = held.get(child["metadata"]["name"]) if child["kind"] == "Deployment" else None
@@ -110,7 +111,8 @@ def refused_message(pod: Mapping[str, Any], container: Mapping[str, Any]) -> str
 
 def _pool_refusal(kube: Kube, svc: InferenceService, role: WorkerRole,
                   caps: Capabilities | None) -> Refusal | None:
-    live = kube.get("apps/v1", "Deployment", svc.namespace, child_name(svc, role))
+    live = kube.get("apps/v1", "Deployment", svc.namespace,
+                    deployment_name(svc, role, spec_revision(svc)))
     if live is None or controller_uid(live) != svc.uid:
         return None  # not yet made, or not ours (a NameConflict)
     message = held_message(live, svc.generation)
@@ -119,7 +121,7 @@ def _pool_refusal(kube: Kube, svc: InferenceService, role: WorkerRole,
     pool = PoolState.from_deployment(role, live, 0)
     if pool.available:
         return None
-    container = _main(build_deployment(svc, role, caps))
+    container = main_container(build_deployment(svc, role, caps))
     pods = kube.select("v1", "Pod", svc.namespace, selector_labels(svc, role))
     message = next((m for pod in pods if (m := refused_message(pod, container))), None)
     if message is None:
@@ -127,7 +129,7 @@ def _pool_refusal(kube: Kube, svc: InferenceService, role: WorkerRole,
     return Refusal(role, message, held=pool.ready == 0 and role not in svc.autoscaling)
 
 
-def _main(deployment: Mapping[str, Any]) -> Mapping[str, Any]:
+def main_container(deployment: Mapping[str, Any]) -> Mapping[str, Any]:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     return next(c for c in containers if c["name"] == CONTAINER)
 

@@ -167,6 +167,22 @@ class PlannerSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """`spec.rollout`: how a new revision replaces the serving one (rollout.py). `max_skew`:
+    the most, in percent of each pool, that one pool's share of new-revision pods may lead the
+    other's; `gate`: probe a pair of the new revision with the token oracle and the KV canary
+    before it serves (probing.py); `probe_timeout_s`: how long the probe pods may take to
+    turn ready before the gate fails."""
+
+    max_skew: int = 50
+    gate: bool = True
+    probe_timeout_s: int = 900
+
+
+ROLLOUT_GATES = ("probes", "none")
+
+
+@dataclass(frozen=True)
 class InferenceService:
     """A parsed InferenceService: identity from metadata plus the defaulted, validated spec."""
 
@@ -189,6 +205,7 @@ class InferenceService:
     # status.planner.<role>.replicas: what the planner enacted (mode: planner), kept in the
     # status so a restarted operator goes on from it
     planned: Mapping[str, int] = field(default_factory=dict)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
 
     def pool(self, role: WorkerRole) -> Pool:
         return self.prefill if role == "prefill" else self.decode
@@ -261,6 +278,7 @@ def parse_service(body: Mapping[str, Any], images: Images | None = None) -> Infe
         planner=_planner(mapping(spec.get("autoscaling"), "spec.autoscaling")),
         planned=_planned(body.get("status")),
         network_policy=_network_policy(mapping(spec.get("networkPolicy"), "spec.networkPolicy")),
+        rollout=_rollout(mapping(spec.get("rollout"), "spec.rollout")),
     )
     for role in WORKER_ROLES:
         pool = svc.pool(role)
@@ -429,6 +447,25 @@ def _planner(raw: Mapping[str, Any]) -> PlannerSpec | None:
     return PlannerSpec(ttft_ms=integer(ttft, "spec.autoscaling.ttftTarget", minimum=1),
                        itl_ms=integer(itl, "spec.autoscaling.itlTarget", minimum=1),
                        enact=mode == "planner", cooldown_s=cooldown)
+
+
+def _rollout(raw: Mapping[str, Any]) -> RolloutSpec:
+    unknown = sorted(set(raw) - {"maxSkew", "gate", "probeTimeoutSeconds"})
+    if unknown:
+        raise InvalidSpec(f"spec.rollout.{unknown[0]}: unknown field (maxSkew, gate, "
+                          "probeTimeoutSeconds)")
+    skew = raw.get("maxSkew", 50)
+    percent = skew
+    if isinstance(skew, str):  # "50%"; a string without the sign is refused, as by the CRD
+        digits = skew[:-1] if skew.endswith("%") else ""
+        percent = int(digits) if digits.isdigit() else None
+    if isinstance(percent, bool) or not isinstance(percent, int) or not 1 <= percent <= 100:
+        raise InvalidSpec(f"spec.rollout.maxSkew {skew!r}: a percentage of each pool, 1..100 "
+                          "(e.g. 50 or \"50%\")")
+    gate = choice(raw.get("gate", "probes"), "spec.rollout.gate", ROLLOUT_GATES)
+    timeout = integer(raw.get("probeTimeoutSeconds", 900), "spec.rollout.probeTimeoutSeconds",
+                      minimum=30)
+    return RolloutSpec(max_skew=percent, gate=gate == "probes", probe_timeout_s=timeout)
 
 
 def _planned(status: Any) -> dict[str, int]:

@@ -100,9 +100,12 @@ class PoolState:
 def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str, Any] | None],
                    previous: Mapping[str, Any], observed_generation: int,
                    problems: Sequence[Problem] = (), now: str | None = None,
-                   extra: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """The whole `status` of a valid service, from the Deployments it controls; `extra`:
-    conditions decided elsewhere (Autoscaling), appended as they are."""
+                   extra: Sequence[Mapping[str, Any]] = (),
+                   rollout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole `status` of a valid service, from the Deployments it controls (a worker
+    pool's revisions `merged`); `extra`: conditions decided elsewhere (Autoscaling), appended
+    as they are; `rollout`: status.rollout (rollout.py), whose phase decides Progressing while
+    a new revision is probed or rolled out."""
     pools = {role: PoolState.from_deployment(role, deployments.get(role), _fallback(svc, role))
              for role in ROLES}
     summary = ", ".join(pool.describe() for pool in pools.values())
@@ -111,6 +114,8 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
     ready, reason = _overall(pools)
     ready_condition = _condition("Ready", ready, reason, summary)
     progressing = _progressing(pools, failures, summary)
+    if rollout is not None and rollout.get("phase") in ROLLOUT_REASONS and not failures:
+        progressing = _rollout_condition(rollout)
     if problems:  # the children cannot converge: that, not the pools, is the answer
         message = "; ".join(p.message for p in problems)
         ready_condition = _condition("Ready", False, problems[0].reason, message)
@@ -131,8 +136,47 @@ def compute_status(svc: InferenceService, deployments: Mapping[str, Mapping[str,
         "observedGeneration": observed_generation,
         "url": svc.url,
         **{role: {**pool.counts, **_ranks(svc, role)} for role, pool in pools.items()},
+        **({"rollout": dict(rollout)} if rollout is not None else {}),
         "conditions": _stamp(fresh, previous, observed_generation, now),
     }
+
+
+def merged(deployments: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """One pool's Deployments (one per revision, rollout.py) as one: replicas and pod counts
+    summed, current when all are, every condition kept (one stuck revision is a failure)."""
+    if not deployments:
+        return None
+    specs = [d.get("spec") or {} for d in deployments]
+    statuses = [d.get("status") or {} for d in deployments]
+    current = all(int(st.get("observedGeneration", 0)) >= int(d["metadata"].get("generation", 0))
+                  for d, st in zip(deployments, statuses, strict=True))
+    return {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": sum(int(sp.get("replicas", 1)) for sp in specs)},
+        "status": {"observedGeneration": int(current),
+                   **{key: sum(int(st.get(key, 0)) for st in statuses)
+                      for key in ("replicas", "readyReplicas", "updatedReplicas")},
+                   "conditions": [c for st in statuses for c in st.get("conditions") or []]},
+    }
+
+
+# status.rollout.phase (rollout.py) -> the Progressing condition while it lasts
+ROLLOUT_REASONS = {"Probing": True, "RollingOut": True, "ProbeFailed": False}
+
+
+def _rollout_condition(rollout: Mapping[str, Any]) -> dict[str, Any]:
+    phase = str(rollout["phase"])
+    pools = f"prefill {rollout.get('prefill', '')}, decode {rollout.get('decode', '')}"
+    if phase == "ProbeFailed":
+        message = (f"revision {rollout.get('revision')} failed the gate, the old revision "
+                   f"keeps serving: {rollout.get('message', '')}")
+    elif phase == "Probing":
+        message = (f"probing revision {rollout.get('revision')} before it serves: "
+                   f"{rollout.get('message') or 'starting the probe pods'}")
+    else:
+        message = (f"revision {rollout.get('revision')}, step {rollout.get('step', '')}: "
+                   f"{pools}")
+    return _condition("Progressing", ROLLOUT_REASONS[phase], phase, message)
 
 
 def invalid_status(message: str, generation: int, previous: Mapping[str, Any],

@@ -43,10 +43,13 @@ PROBES = frozenset({"/health", "/ready"})
 
 class ApiKeys:
     def __init__(self, keys: Sequence[str] = (), path: str | None = None,
-                 admin: str | None = None) -> None:
+                 admin: str | None = None, operator: str | None = None) -> None:
+        """`operator`: a second admin credential, the operator's token derived from the
+        cluster key (runtime/auth/key.py `operator_token`)."""
         self.fixed = tuple(k for k in keys if k)
         self.path = path
         self.admin = admin or None
+        self.operator = operator or None
         self._from_file: tuple[str, ...] = ()
         self._mtime: float | None = None
         self._checked = 0.0
@@ -83,11 +86,11 @@ class ApiKeys:
         return any(matches) or self.is_admin(authorization)
 
     def is_admin(self, authorization: str | None) -> bool:
-        """Whether this header carries the admin key (never, when none is set)."""
-        if self.admin is None:
-            return False
+        """Whether this header carries the admin key or the operator's token (never, when
+        neither is set)."""
         given = bearer(authorization).encode("utf-8", "surrogatepass")
-        return hmac.compare_digest(given, self.admin.encode())
+        held = [key for key in (self.admin, self.operator) if key is not None]
+        return any([hmac.compare_digest(given, key.encode()) for key in held])
 
     def _reload(self, force: bool = False) -> None:
         if self.path is None or (not force and time.monotonic() - self._checked < RELOAD_S):

@@ -57,6 +57,12 @@ class ClusterKey:
     def verify(self, mac: bytes, purpose: str, *parts: bytes | str) -> bool:
         return hmac.compare_digest(mac, self.mac(purpose, *parts))
 
+    def operator_token(self) -> str | None:
+        """The bearer token the operator (which holds the service's Secret) presents to the
+        router's admin-only views, e.g. the rollout gate's `/debug/probe`; None without a
+        key. Derived, so no second Secret has to be made, mounted or rotated."""
+        return self.mac("operator-admin").hex() if self.enabled else None
+
 
 def load_cluster_key(path: str | None, env: Mapping[str, str] = os.environ) -> ClusterKey:
     """The key from the file at `path` (else at $BATON_CLUSTER_KEY_FILE), else from

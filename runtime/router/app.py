@@ -90,6 +90,7 @@ class Router:
                                     config.health_failures, self.planner)
         self.key = load_cluster_key(config.cluster_key_file)
         warn_if_open(self.key, "the router (its workers take unsigned rooms)")
+        self.api_keys.operator = self.key.operator_token()  # the operator's gate probes
         self.pairing = Pairing(config, self.workers, self.pairs, self.policy, self.tokenizer,
                                self.key, self.metrics)
         self.salts = TenantSalts(self.api_keys, self.key)

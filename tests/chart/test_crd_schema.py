@@ -67,6 +67,9 @@ def test_printer_columns(crd):
         ("Decode", "integer", ".status.decode.readyReplicas", 0),
         ("Decode-Desired", "integer", ".status.decode.desiredReplicas", 0),
         ("Router", "integer", ".status.router.readyReplicas", 0),
+        ("Rollout", "string", ".status.rollout.phase", 0),
+        ("Prefill-Rollout", "string", ".status.rollout.prefill", 0),
+        ("Decode-Rollout", "string", ".status.rollout.decode", 0),
         ("URL", "string", ".status.url", 0),
         ("Age", "date", ".metadata.creationTimestamp", 0),
         ("Model", "string", ".spec.model.uri", 1),
@@ -75,6 +78,7 @@ def test_printer_columns(crd):
         ("Prefill-TP", "integer", ".status.prefill.tensorParallelSize", 1),
         ("Decode-TP", "integer", ".status.decode.tensorParallelSize", 1),
         ("Recommended", "string", ".status.planner.recommended", 1),
+        ("Revision", "string", ".status.rollout.revision", 1),
     ]
 
 

@@ -2,8 +2,10 @@
 
 One cluster for the module (tests/e2e/cluster.py); the tests run in order on the sample
 service: it becomes Ready, serves the colocated server's greedy output through the router
-pod, scales its decode pool out and in under load, rolls to a decode pool of three TP ranks
-per pod and answers through it, survives a killed prefill; then the
+pod, scales its decode pool out and in under load, follows the P:D planner; at 2P+2D, a
+revision whose prefill corrupts its KV is stopped by the rollout gate while the old one
+serves, and a sound one rolls out in step under streams; back at 1P+1D it rolls to a decode
+pool of three TP ranks per pod and answers through it, survives a killed prefill; then the
 operator that `helm template` renders, run as a pod, takes it over and repairs it; last,
 deleting it removes everything it made.
 """
@@ -82,8 +84,10 @@ def phase(cluster: Cluster) -> str:
     return str(((cluster.get(NAME) or {}).get("status") or {}).get("phase", ""))
 
 
-def pods(cluster: Cluster, role: str) -> list[dict[str, Any]]:
-    found = cluster.core.list_namespaced_pod(NS, label_selector=f"baton.dev/role={role}")
+def pods(cluster: Cluster, role: str, name: str = "baton") -> list[dict[str, Any]]:
+    """The pool's pods (name "baton"), or the rollout gate's probe pods ("baton-probe")."""
+    found = cluster.core.list_namespaced_pod(
+        NS, label_selector=f"app.kubernetes.io/name={name},baton.dev/role={role}")
     return list(cluster.client.sanitize_for_serialization(found)["items"])
 
 
@@ -174,7 +178,7 @@ def test_kubectl_apply_ends_in_a_ready_service(local: LocalCluster, cluster: Clu
     # rendered and stored (this one-machine cluster has no CNI to enforce them; what they let
     # through is checked in tests/operator/test_operator_network_policy.py)
     policies = {name for kind, name in cluster.children() if kind == "NetworkPolicy"}
-    assert policies == {f"{NAME}-{role}" for role in ("prefill", "decode", "router")}
+    assert policies == {f"{NAME}-{role}" for role in ("prefill", "decode", "router", "probe")}
 
 
 def test_streamed_chat_through_the_router_pod_equals_colocated(
@@ -393,6 +397,173 @@ def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
     wait_for(lambda: ready(cluster), READY_S, "Ready again")
 
 
+ROLL_PROMPTS = ["Name three colours.", "What is two plus two?", "Say hello in French."]
+
+
+def rollout(cluster: Cluster) -> dict[str, Any]:
+    return dict(((cluster.get(NAME) or {}).get("status") or {}).get("rollout") or {})
+
+
+def ready_by_revision(cluster: Cluster) -> dict[tuple[str, str], int]:
+    """Ready serving pods by (role, revision)."""
+    counts: dict[tuple[str, str], int] = {}
+    for role in ("prefill", "decode"):
+        for pod in pods(cluster, role):
+            if pod_ready(pod):
+                key = (role, pod["metadata"]["labels"]["baton.dev/revision"])
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+class Streams:
+    """`clients` closed loops of streamed chats through the router until stopped, each
+    compared with the colocated server's answer to its prompt."""
+
+    def __init__(self, url: str, expected: dict[str, tuple[str, int, str]], clients: int = 2
+                 ) -> None:
+        self.url, self.expected = url, expected
+        self.done, self.failures = 0, []  # type: ignore[var-annotated]
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> Streams:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+
+    def _loop(self, i: int) -> None:
+        while not self.stop.is_set():
+            prompt = ROLL_PROMPTS[(i + self.done) % len(ROLL_PROMPTS)]
+            try:
+                got = chat(self.url, "smollm2-135m", prompt)
+                if got != self.expected[prompt]:
+                    self.failures.append((prompt, got, self.expected[prompt]))
+            except Exception as e:  # every error counts, none may happen
+                self.failures.append((prompt, repr(e)))
+            self.done += 1
+
+
+def scale_to(local: LocalCluster, cluster: Cluster, prefills: int, decodes: int) -> None:
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p", json.dumps(
+        {"spec": {"prefill": {"replicas": prefills}, "decode": {"replicas": decodes}}}))
+    wait_for(lambda: ready(cluster) and [len(pods(cluster, r)) for r in ("prefill", "decode")]
+             == [prefills, decodes] and all(pod_ready(p) for r in ("prefill", "decode")
+                                           for p in pods(cluster, r)), READY_S,
+             lambda: f"{prefills}P+{decodes}D ready; operator log:\n{local.operator_log()}")
+    url = router_url(cluster)
+    wait_for(lambda: ready_decodes(url) == decodes, 60, f"{decodes} decodes in the router")
+
+
+@pytest.mark.timeout(600)
+def test_a_revision_whose_prefill_corrupts_kv_is_stopped_by_the_gate(
+        local: LocalCluster, cluster: Cluster, server: ServerProcess) -> None:
+    """At 2P+2D, a spec whose prefills negate an element of every KV page they send
+    (`--perturb kv_before_send`): the operator probes a pair of that revision with the token
+    oracle and the KV canary, the probe fails, Progressing=False/ProbeFailed names it, and the
+    old revision serves every request throughout, exactly; reverting the spec ends it."""
+    scale_to(local, cluster, 2, 2)
+    serving = rollout(cluster)["revision"]
+    url = router_url(cluster)
+    expected = {p: chat(server.url, "smollm2", p) for p in ROLL_PROMPTS}
+    args = ["--max-total-tokens", str(KV_TOKENS)]
+    bad = [*args, "--perturb", "kv_before_send=1", "--perturb-warmup-steps", "0"]
+    with Streams(url, expected) as streams:
+        run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                    json.dumps({"spec": {"prefill": {"args": bad}}}))
+        failed = wait_for(lambda: cluster.condition(NAME, "Progressing").get("reason")
+                          == "ProbeFailed" and cluster.condition(NAME, "Progressing"), READY_S,
+                          lambda: f"ProbeFailed; rollout {rollout(cluster)}; operator log:\n"
+                                  f"{local.operator_log()}")
+        done = streams.done
+        wait_for(lambda: streams.done >= done + 2, 120, "requests after the verdict")
+    assert not streams.failures and streams.done >= 4, streams.failures[:3]
+    assert failed["status"] == "False"
+    assert "probe 1: 5 prompt tokens" in failed["message"] and "KV canary" in failed["message"], (
+        failed)
+    state = rollout(cluster)
+    assert (state["phase"], state["gate"]) == ("ProbeFailed", "failed") and (
+        state["revision"] != serving), state
+    assert set(ready_by_revision(cluster)) == {("prefill", serving), ("decode", serving)}
+    wait_for(lambda: not pods(cluster, "prefill", "baton-probe") and not pods(
+        cluster, "decode", "baton-probe"), 60, "the probe pods gone")
+    assert ready(cluster), "the old revision serves: Ready stays True"
+    (row,) = table_cells(run_kubectl("get", "bisvc"))
+    assert row["ROLLOUT"] == "ProbeFailed", row
+    # reverting the spec makes the serving revision the target again: nothing to roll
+    run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
+                json.dumps({"spec": {"prefill": {"args": args}}}))
+    wait_for(lambda: rollout(cluster).get("phase") == "Stable"
+             and rollout(cluster).get("revision") == serving, 30, "back to the serving revision")
+    assert cluster.condition(NAME, "Progressing")["reason"] == "Complete"
+
+
+@pytest.mark.timeout(600)
+def test_a_new_revision_rolls_out_in_step_under_streams(
+        local: LocalCluster, cluster: Cluster, server: ServerProcess) -> None:
+    """2P+2D and two clients streaming all along, a spec change of both pools' revision: the
+    gate probes a pair of it, then the pools roll in step, two steps of one pod each. On
+    every poll the router's pairs are each of one revision, and the ready pods of the new
+    revision in the two pools are within maxSkew (50%) of each other; no stream fails and
+    every one equals the colocated server's. In the end only the new revision is left."""
+    scale_to(local, cluster, 2, 2)
+    old = rollout(cluster)["revision"]
+    url = router_url(cluster)
+    expected = {p: chat(server.url, "smollm2", p) for p in ROLL_PROMPTS}
+    phases: list[str | None] = []
+    revisions_paired: set[str] = set()
+    skews: list[tuple[float, dict[tuple[str, str], int]]] = []
+
+    def sample_pairs() -> None:
+        """Every pair the router formed is of one revision (a side that has left shows None:
+        its revision was seen while it served)."""
+        for pair in httpx.get(f"{url}/debug/pairs", timeout=10, trust_env=False).json()["pairs"]:
+            sides = (pair["prefill_revision"], pair["decode_revision"])
+            if None not in sides:
+                assert sides[0] == sides[1], pair
+                revisions_paired.add(sides[0])
+
+    with Streams(url, expected) as streams:
+        run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p", json.dumps(
+            {"spec": {"decode": {"env": [{"name": "BATON_E2E_ROLLOUT", "value": "1"}]}}}))
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline:
+            state = rollout(cluster)
+            if not phases or phases[-1] != state.get("phase"):
+                phases.append(state.get("phase"))
+            sample_pairs()
+            counts = ready_by_revision(cluster)
+            new = state.get("revision")
+            if new != old:
+                skew = abs(counts.get(("prefill", new), 0) - counts.get(("decode", new), 0)) / 2
+                skews.append((skew, counts))
+                assert skew <= 0.5, counts
+            if (new != old and state.get("phase") == "Stable"
+                    and set(counts) == {("prefill", new), ("decode", new)}):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the rollout did not finish: {rollout(cluster)}; phases "
+                                 f"{phases}; operator log:\n{local.operator_log()}")
+        done = streams.done
+        wait_for(lambda: sample_pairs() or streams.done >= done + 4, 120,
+                 "requests on the new revision")
+    assert not streams.failures, streams.failures[:3]
+    assert streams.done >= 6, streams.done
+    assert phases[-3:] == ["Probing", "RollingOut", "Stable"], phases
+    assert {old, new} <= revisions_paired, revisions_paired  # both served, never mixed
+    assert max(skew for skew, _ in skews) <= 0.5
+    assert rollout(cluster)["gate"] == "passed"
+    assert ready_by_revision(cluster) == {("prefill", new): 2, ("decode", new): 2}
+    assert not [name for kind, name in cluster.children() if kind == "Deployment"
+                and old in name], "the old revision's Deployments deleted"
+    scale_to(local, cluster, 1, 1)
+
+
 def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Cluster,
                                                server: ServerProcess) -> None:
     """spec.decode.tensorParallelSize 3 (the builtin's 9 heads and 3 KV heads: one KV head a
@@ -400,8 +571,10 @@ def test_a_tensor_parallel_decode_pool_answers(local: LocalCluster, cluster: Clu
     each prefill page goes to the three decode ranks by head over nixl, and a streamed chat
     through the router equals the colocated server's. `kubectl get bisvc -o wide` shows each
     pool's TP."""
+    # a new revision of both pools, rolled in step (without the gate here: the two tests
+    # before this one are about it)
     run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p",
-                '{"spec":{"decode":{"tensorParallelSize":3}}}')
+                '{"spec":{"decode":{"tensorParallelSize":3},"rollout":{"gate":"none"}}}')
 
     def rolled() -> bool:
         svc = cluster.get(NAME) or {}

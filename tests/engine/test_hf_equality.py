@@ -23,8 +23,10 @@ from tests.engine.hf_reference import MAX_NEW, Reference, compare, hf_greedy
 
 def run_and_compare(
     prompt_ids: list[list[int]], hf_refs: list[Reference], max_new: int = MAX_NEW,
-    logprobs: bool = False, **engine_args: Any,
+    logprobs: bool = False, near_ties: int = 1, **engine_args: Any,
 ) -> Engine:
+    """`near_ties`: how many of the prompts may diverge at a genuine near-tie (detected and
+    reported as warnings); more than that is routine divergence, a failure."""
     engine = Engine(**engine_args)
     try:
         results = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": max_new},
@@ -33,7 +35,7 @@ def run_and_compare(
                  for r, ref in zip(results, hf_refs, strict=True)]  # fmt: skip
         for note in filter(None, notes):
             warnings.warn(f"{engine_args}: {note}", stacklevel=1)
-        assert sum(n is not None for n in notes) <= 1, notes  # near-ties are rare, not routine
+        assert sum(n is not None for n in notes) <= near_ties, notes  # rare, not routine
         assert engine.runner.kv.is_all_free(), "KV pages leaked"
     finally:
         engine.shutdown()
@@ -84,12 +86,22 @@ def test_tiny_kv_budget_waits_and_retracts(
     assert engine.scheduler.decode.peak_running < len(prompt_ids), "everything ran at once: no waiting"
 
 
+@pytest.fixture(scope="module")
+def hf_bf16_refs(model_path: Path, prompt_ids: list[list[int]]) -> list[Reference]:
+    """HF in bf16, once for both linear backends."""
+    return hf_greedy(model_path, prompt_ids, 16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("linear", ["torch", "auto"])
-def test_bfloat16_matches_hf_bfloat16(model_path: Path, prompt_ids: list[list[int]], linear: str) -> None:
+def test_bfloat16_matches_hf_bfloat16(model_path: Path, prompt_ids: list[list[int]], linear: str,
+                                      hf_bf16_refs: list[Reference]) -> None:
     """bf16 weights and KV (the GPU's default dtype) against HF in bf16: the first 16 tokens,
     and each token's logprob within 4 ulps of HF's top logit (near-ties, too, are counted in
     bf16 ulps: hf_reference)."""
-    refs = hf_greedy(model_path, prompt_ids, 16, torch.bfloat16)
-    engine = run_and_compare(prompt_ids, refs, 16, logprobs=True, model=str(model_path),
-                             dtype="bfloat16", linear_backend=linear)
+    refs = hf_bf16_refs
+    # a tie within one bf16 ulp is far likelier than within 1e-3 in fp32, and which side it
+    # falls on follows the CPU's bf16 kernels: on a Xeon with AMX-BF16, 2 of the 8 prompts
+    # diverge at a 1-ulp tie (each named in a warning); more would be routine, not a tie
+    engine = run_and_compare(prompt_ids, refs, 16, logprobs=True, near_ties=2,
+                             model=str(model_path), dtype="bfloat16", linear_backend=linear)
     assert engine.runner.pool.dtype == torch.bfloat16

@@ -29,7 +29,7 @@ CORE_CHILDREN = {
     ("Deployment", "{n}-prefill"), ("Deployment", "{n}-decode"), ("Deployment", "{n}-router"),
     ("Service", "{n}-prefill"), ("Service", "{n}-decode"), ("Service", "{n}"),
     ("NetworkPolicy", "{n}-prefill"), ("NetworkPolicy", "{n}-decode"),
-    ("NetworkPolicy", "{n}-router"),
+    ("NetworkPolicy", "{n}-router"), ("NetworkPolicy", "{n}-probe"),
 }
 
 
@@ -54,6 +54,17 @@ def isvc(name: str, **spec: Any) -> dict[str, Any]:
     body.update(spec)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService",
             "metadata": {"name": name}, "spec": body}
+
+
+def deployment_of(body: dict[str, Any], role: str) -> str:
+    """The name the operator gives the Deployment of `role` for the InferenceService `body`
+    (a worker pool's carries the revision of the spec: `<name>-<role>-<revision>`)."""
+    from baton_operator.builders.common import deployment_name
+    from baton_operator.builders.pods import spec_revision
+    from baton_operator.spec import parse_service
+
+    svc = parse_service({**body, "metadata": {"namespace": NAMESPACE, **body["metadata"]}})
+    return deployment_name(svc, role, None if role == "router" else spec_revision(svc))  # type: ignore[arg-type]
 
 
 class Cluster:
@@ -133,12 +144,38 @@ class Cluster:
                 return None
             raise
 
-    def children(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """Every object of the child kinds in the namespace, by (kind, name)."""
-        found = {}
+    def pool(self, name: str, role: str) -> dict[str, Any] | None:
+        """The Deployment of service `name`'s `role` pool: a worker pool has one per revision
+        (`<name>-<role>-<revision>`), so this is the one there is (None: none yet); two, as
+        in a rollout, fail the test, which should then look at them by name."""
+        if role == "router":
+            return self.child("Deployment", f"{name}-router")
+        found = self._plain(self.apps.list_namespaced_deployment(
+            self.namespace, label_selector=f"app.kubernetes.io/name=baton,"
+            f"app.kubernetes.io/instance={name},baton.dev/role={role}"))["items"]
+        assert len(found) <= 1, [d["metadata"]["name"] for d in found]
+        return found[0] if found else None
+
+    def pool_name(self, name: str, role: str) -> str:
+        """The name of `pool`'s Deployment (waiting up to 20 s for it)."""
+        return str(wait_for(lambda: self.pool(name, role), 20,
+                            f"{name}'s {role} Deployment")["metadata"]["name"])
+
+    def children(self, pooled: bool = False) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every object of the child kinds in the namespace, by (kind, name); `pooled`: a
+        worker pool's Deployment of its revision (`<name>-<role>-<revision>`) by its pool's
+        name `<name>-<role>`, and two of one pool fail the test."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
         for kind, (_, lister) in self.calls.items():
             for item in self._plain(lister(self.namespace))["items"]:
-                found[kind, item["metadata"]["name"]] = item
+                name = item["metadata"]["name"]
+                labels = (item["spec"].get("template") or {}).get("metadata", {}).get(
+                    "labels", {}) if kind == "Deployment" else {}
+                revision = labels.get("baton.dev/revision")
+                if pooled and revision and name.endswith(f"-{revision}"):
+                    name = name[:-len(revision) - 1]
+                    assert (kind, name) not in found, f"two Deployments of pool {name}"
+                found[kind, name] = item
         return found
 
     def versions(self) -> dict[tuple[str, str], str]:

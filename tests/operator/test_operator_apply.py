@@ -132,4 +132,4 @@ def test_only_objects_we_control_are_ours() -> None:
                      (stale, "belongs to a deleted InferenceService llm")):
         with pytest.raises(NameConflict, match=why) as err:
             check_controller(obj, desired, UID)
-        assert "Deployment llm-decode already exists" in str(err.value)
+        assert f"Deployment {desired['metadata']['name']} already exists" in str(err.value)

@@ -17,6 +17,7 @@ from baton_operator.builders import (
     optional_children,
 )
 from baton_operator.builders.autoscaling import SIGNALS
+from baton_operator.builders.pods import spec_revision
 from baton_operator.capabilities import Capabilities
 from baton_operator.spec import InvalidSpec
 
@@ -64,7 +65,8 @@ def test_with_keda_a_serving_signal_is_a_scaled_object_with_a_prometheus_trigger
     assert scaled_object["apiVersion"] == "keda.sh/v1alpha1"
     assert scaled_object["metadata"]["name"] == f"llm-{role}"
     assert scaled_object["spec"] == {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"llm-{role}"},
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                           "name": f"llm-{role}-{spec_revision(svc)}"},
         "minReplicaCount": 1, "maxReplicaCount": 5,
         "triggers": [{"type": "prometheus", "metricType": metric_type, "metadata": {
             "serverAddress": PROM, "query": query % SELECTOR.format(role),

@@ -16,6 +16,7 @@ from baton_operator.builders import (
     build_pdb,
     build_router_service,
 )
+from baton_operator.builders.pods import spec_revision
 from baton_operator.capabilities import Capabilities
 from baton_operator.spec import InferenceService, parse_service
 
@@ -283,9 +284,12 @@ def test_the_runtime_parser_accepts_the_rendered_serve_args(role: str) -> None:
 
 def test_default_children_set() -> None:
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in build_children(service()))
-    assert kinds == [("Deployment", "llm-decode"), ("Deployment", "llm-prefill"),
+    revision = spec_revision(service())
+    assert kinds == [("Deployment", f"llm-decode-{revision}"),
+                     ("Deployment", f"llm-prefill-{revision}"),
                      ("Deployment", "llm-router"), ("NetworkPolicy", "llm-decode"),
-                     ("NetworkPolicy", "llm-prefill"), ("NetworkPolicy", "llm-router"),
+                     ("NetworkPolicy", "llm-prefill"), ("NetworkPolicy", "llm-probe"),
+                     ("NetworkPolicy", "llm-router"),
                      ("Role", "llm-router"),
                      ("RoleBinding", "llm-router"), ("Service", "llm"),
                      ("Service", "llm-decode"), ("Service", "llm-prefill"),
@@ -461,7 +465,7 @@ def test_every_child_is_owned_and_labelled() -> None:
                                "decode": {"min": 2, "max": 8, "metric": "memory"}},
                   router={"replicas": 2})
     children = build_children(svc)
-    assert len(children) == 6 + 3 + 1 + 2 + 3 + 3
+    assert len(children) == 6 + 3 + 1 + 2 + 3 + 4
     for child in children:
         meta = child["metadata"]
         assert meta["namespace"] == "ml"
@@ -470,16 +474,23 @@ def test_every_child_is_owned_and_labelled() -> None:
             "uid": UID, "controller": True, "blockOwnerDeletion": True}]
         role = meta["labels"]["baton.dev/role"]
         assert role in ("prefill", "decode", "router")
-        assert meta["labels"] == {**LABELS, "app.kubernetes.io/component": role,
-                                  "baton.dev/role": role}
+        component = "probe" if meta["name"] == "llm-probe" else role
+        # a worker Deployment is its revision's
+        revision = ({"baton.dev/revision": spec_revision(svc)} if child["kind"] == "Deployment"
+                    and role != "router" else {})
+        assert meta["labels"] == {**LABELS, "app.kubernetes.io/component": component,
+                                  "baton.dev/role": role, **revision}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "router"])
 def test_selectors_match_pod_labels_and_use_only_stable_keys(role: str) -> None:
+    """The Services, policies and the router's discovery select a pool by the first three;
+    a worker Deployment selects its revision's pods only (one Deployment per revision)."""
     dep = build_deployment(service(), role)  # type: ignore[arg-type]
     selector = dep["spec"]["selector"]["matchLabels"]
+    revision = {} if role == "router" else {"baton.dev/revision": spec_revision(service())}
     assert selector == {"app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": "llm",
-                        "baton.dev/role": role}
+                        "baton.dev/role": role, **revision}
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
 
@@ -535,7 +546,8 @@ def test_autoscaling_hands_replicas_to_the_hpa() -> None:
     assert hpa is not None
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"] == {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llm-decode"},
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                           "name": f"llm-decode-{spec_revision(svc)}"},
         "minReplicas": 2, "maxReplicas": 6,
         "metrics": [{"type": "Resource", "resource": {
             "name": "memory", "target": {"type": "Utilization", "averageUtilization": 70}}}]}

@@ -37,7 +37,7 @@ def test_one_stable_key_per_service(emulated: EmulatedCluster, cluster: Cluster,
         secret = base64.b64decode(first["data"]["key"])
         assert len(secret) == 64 and secret != base64.b64decode(other["data"]["key"])
         cluster.patch("a", {"spec": {"decode": {"replicas": 2}}})  # another pass, and another
-        wait_for(lambda: (cluster.child("Deployment", "a-decode") or {}).get("spec", {}).get(
+        wait_for(lambda: (cluster.pool("a", "decode") or {}).get("spec", {}).get(
             "replicas") == 2, 20, "the decode scaled")
         assert key_of(cluster, "a")["data"] == first["data"]  # never rewritten
 

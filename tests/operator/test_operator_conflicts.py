@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.kube.isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
+from tests.kube.isvc_helpers import (
+    NAMESPACE,
+    Cluster,
+    OperatorFactory,
+    deployment_of,
+    isvc,
+    wait_for,
+)
 from tests.kube.kmock_cluster import EmulatedCluster
 from tests.kube.kubectl_tool import run_kubectl, table_cells
 
@@ -33,14 +40,15 @@ def writes_to(emulated: EmulatedCluster, path: str) -> list[str]:
 
 def test_an_unowned_object_is_a_name_conflict_until_it_is_deleted(
         emulated: EmulatedCluster, cluster: Cluster, operator: OperatorFactory) -> None:
-    before = cluster.apps.create_namespaced_deployment(NAMESPACE, squatter("llm-decode"))
+    decode = deployment_of(isvc("llm"), "decode")  # llm-decode-<revision>
+    before = cluster.apps.create_namespaced_deployment(NAMESPACE, squatter(decode))
     with operator():
         cluster.create(isvc("llm"))
         ready = wait_for(lambda: cluster.condition("llm", "Ready").get("reason") == "NameConflict"
                          and cluster.condition("llm", "Ready"), 20, "Ready=False/NameConflict")
         assert ready["status"] == "False"
         assert ready["message"].startswith(
-            "Deployment llm-decode already exists and has no controller")
+            f"Deployment {decode} already exists and has no controller")
         status = (cluster.get("llm") or {})["status"]
         assert status["phase"] == "Failed"
         assert status["decode"]["readyReplicas"] == 0, "the squatter's pods are not ours"
@@ -48,17 +56,17 @@ def test_an_unowned_object_is_a_name_conflict_until_it_is_deleted(
         row = table_cells(run_kubectl("get", "bisvc", "llm"))[0]
         assert (row["READY"], row["REASON"], row["PHASE"]) == ("False", "NameConflict", "Failed")
         time.sleep(1.0)  # passes keep running (child events): still no write to the squatter
-        mine = cluster.child("Deployment", "llm-decode") or {}
+        mine = cluster.child("Deployment", decode) or {}
         assert mine["metadata"]["resourceVersion"] == before.metadata.resource_version
-        assert writes_to(emulated, "/deployments/llm-decode") == []
+        assert writes_to(emulated, f"/deployments/{decode}") == []
         wait_for(lambda: any(e["reason"] == "NameConflict" for e in cluster.events()), 10,
                  "a NameConflict event")
         warnings = [e for e in cluster.events() if e["reason"] == "NameConflict"]
         assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
 
-        run_kubectl("delete", "deployment", "llm-decode")  # its owner clears the name
-        wait_for(lambda: (cluster.child("Deployment", "llm-decode") or {}).get(
-            "metadata", {}).get("ownerReferences"), 10, "our own llm-decode")
+        run_kubectl("delete", "deployment", decode)  # its owner clears the name
+        wait_for(lambda: (cluster.child("Deployment", decode) or {}).get(
+            "metadata", {}).get("ownerReferences"), 10, "our own decode Deployment")
         wait_for(lambda: cluster.condition("llm", "Ready").get("reason") == "Updating", 10,
                  "NameConflict cleared")
         assert (cluster.get("llm") or {})["status"]["phase"] == "Pending"

@@ -15,6 +15,7 @@ from tests.kube.isvc_helpers import (
     NAMESPACE,
     Cluster,
     OperatorFactory,
+    deployment_of,
     isvc,
     wait_for,
 )
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 RESTORE_WITHIN = 10.0
 SPEC = {"decode": {"replicas": 2}, "ingress": {"host": "llm.example.com"},
         "autoscaling": {"prefill": {"min": 1, "max": 3, "metric": "cpu"}}}
+PREFILL, DECODE = (deployment_of(isvc("llm", **SPEC), role) for role in ("prefill", "decode"))
 
 
 def spec_of(cluster: Cluster, kind: str, name: str) -> dict[str, Any]:
@@ -39,14 +41,14 @@ def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
 # while it is as the operator renders it
 Check = Callable[[dict[str, Any]], bool]
 TAMPERING: list[tuple[str, list[str], tuple[str, str], Check]] = [
-    ("decode scaled by hand", ["scale", "deploy/llm-decode", "--replicas=5"],
-     ("deployments", "llm-decode"), lambda d: d["spec"]["replicas"] == 2),
+    ("decode scaled by hand", ["scale", f"deploy/{DECODE}", "--replicas=5"],
+     ("deployments", DECODE), lambda d: d["spec"]["replicas"] == 2),
     ("router image replaced", ["set", "image", "deploy/llm-router", "main=evil:1"],
      ("deployments", "llm-router"), lambda d: main_container(d)["image"] == "baton:0.1.0"),
-    ("decode made privileged", ["patch", "deploy/llm-decode", "-p",
+    ("decode made privileged", ["patch", f"deploy/{DECODE}", "-p",
                                 '{"spec":{"template":{"spec":{"containers":[{"name":"main",'
                                 '"securityContext":{"privileged":true}}]}}}}'],
-     ("deployments", "llm-decode"),
+     ("deployments", DECODE),
      lambda d: "privileged" not in main_container(d)["securityContext"]),
     ("router Service selector hijacked", ["patch", "svc/llm", "-p",
                                           '{"spec":{"selector":{"app":"hijack"}}}'],
@@ -67,7 +69,7 @@ TAMPERING: list[tuple[str, list[str], tuple[str, str], Check]] = [
     ("PDB loosened", ["patch", "pdb/llm-decode", "-p", '{"spec":{"maxUnavailable":2}}'],
      ("poddisruptionbudgets", "llm-decode"), lambda p: p["spec"]["maxUnavailable"] == 1),
 ]
-DELETIONS = [("Deployment", "deploy", "llm-decode"), ("Service", "svc", "llm"),
+DELETIONS = [("Deployment", "deploy", DECODE), ("Service", "svc", "llm"),
              ("Ingress", "ingress", "llm"), ("HorizontalPodAutoscaler", "hpa", "llm-prefill"),
              ("PodDisruptionBudget", "pdb", "llm-decode")]
 
@@ -104,7 +106,7 @@ def test_tampering_with_each_kind_of_child_is_undone(
             run_kubectl(*args)
             took = restored(emulated, plural, name, check, since)
             assert took < RESTORE_WITHIN, what
-        wait_for(lambda: any("Patched Deployment llm-decode (spec.replicas)" in e["message"]
+        wait_for(lambda: any(f"Patched Deployment {DECODE} (spec.replicas)" in e["message"]
                              for e in cluster.events()), 10, "an Event naming the field")
         # Settled: our own writes trigger passes that find nothing to do.
         mark = emulated.request_count()
@@ -127,12 +129,12 @@ def test_replicas_owned_by_the_hpa_are_left_alone(emulated: EmulatedCluster, clu
                                                   operator: OperatorFactory) -> None:
     with operator():
         start(cluster)
-        run_kubectl("scale", "deploy/llm-prefill", "--replicas=3")  # what the HPA does
+        run_kubectl("scale", f"deploy/{PREFILL}", "--replicas=3")  # what the HPA does
         run_kubectl("scale", "deploy/llm-router", "--replicas=4")  # not autoscaled: ours
         wait_for(lambda: spec_of(cluster, "Deployment", "llm-router")["replicas"] == 1,
                  RESTORE_WITHIN, "router replicas restored")
-        assert spec_of(cluster, "Deployment", "llm-prefill")["replicas"] == 3
+        assert spec_of(cluster, "Deployment", PREFILL)["replicas"] == 3
         wait_for(lambda: (cluster.get("llm") or {}).get("status", {}).get("prefill", {}).get(
             "desiredReplicas") == 3, 10, "status shows the HPA's choice")
         writes = emulated.writes(0, ("deployments",))
-        assert not any(w.endswith("/llm-prefill") and w.startswith("PATCH") for w in writes)
+        assert not any(w.endswith(f"/{PREFILL}") and w.startswith("PATCH") for w in writes)

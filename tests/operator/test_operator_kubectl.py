@@ -51,15 +51,17 @@ def test_kubectl_applied_sample_is_reconciled_by_the_operator_process(
     out = run_kubectl("--validate=false", "apply", "-f", str(SAMPLE_FILE))
     assert "inferenceservice.baton.dev/smollm2 created" in out
 
-    names = {"deployment.apps/smollm2-prefill", "deployment.apps/smollm2-decode",
-             "deployment.apps/smollm2-router"}
-    wait_for(lambda: names <= set(run_kubectl("get", "deployments", "-o", "name").split()),
-             30, "the sample's Deployments")
+    # one Deployment per pool (a worker pool's carries its revision: smollm2-prefill-<rev>)
+    wait_for(lambda: {("Deployment", f"smollm2-{role}") for role in ("prefill", "decode", "router")}
+             <= applied.children(pooled=True).keys(), 30, "the sample's Deployments")
+    names = set(run_kubectl("get", "deployments", "-o", "name").split())
+    assert {f"deployment.apps/{applied.pool_name('smollm2', role)}"
+            for role in ("prefill", "decode", "router")} <= names
     services = set(run_kubectl("get", "services", "-o", "name").split())
     assert {"service/smollm2", "service/smollm2-prefill", "service/smollm2-decode"} <= services
 
     for role in ("prefill", "decode", "router"):
-        applied.set_deployment_status(f"smollm2-{role}")
+        applied.set_deployment_status(applied.pool_name("smollm2", role))
     ready = '{.status.conditions[?(@.type=="Ready")].status}'
     wait_for(lambda: run_kubectl("get", "bisvc", "smollm2", "-o", f"jsonpath={ready}") == "True",
              30, "Ready=True through kubectl")

@@ -54,7 +54,7 @@ def test_reconciles_errors_and_phase_per_service(emulated: EmulatedCluster, clus
         # (kopf does not retry event handlers) reaches Ready before the resync's 60 s.
         emulated.fail("GET", "inferenceservices", 4)
         for role in ("prefill", "decode", "router"):
-            cluster.set_deployment_status(f"llm-{role}")
+            cluster.set_deployment_status(cluster.pool_name("llm", role))
         wait_for(lambda: value(scrape(), phase("llm", "Ready")) == 1, 30, "llm Ready")
         text = scrape()
         assert value(text, phase("llm", "Pending")) == 0

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from baton_operator.builders import build_children, build_deployment, optional_children
-from baton_operator.spec import ROLES, InferenceService, parse_service
+from baton_operator.builders.workloads import build_probe_deployment
+from baton_operator.spec import ROLES, WORKER_ROLES, InferenceService, parse_service
 
 UCX = range(20000, 20016)
 PROBED_PORTS = (22, 8000, 8997, 8998, 8999, 9000, 9001, 19999, 20000, 20007, 20015, 20016)
@@ -45,11 +46,16 @@ def service(name: str, namespace: str, **spec: Any) -> InferenceService:
 
 
 def pods_of(svc: InferenceService) -> list[Pod]:
-    """One pod per pool, labelled as its Deployment's template says."""
+    """One pod per pool, and the rollout gate's two probe pods, labelled as their
+    Deployments' templates say."""
     pods = []
     for role in ROLES:
         labels = build_deployment(svc, role)["spec"]["template"]["metadata"]["labels"]
         pods.append(Pod(f"{svc.namespace}/{svc.name}-{role}", svc.namespace,
+                        tuple(sorted(labels.items()))))
+    for role in WORKER_ROLES:
+        labels = build_probe_deployment(svc, role)["spec"]["template"]["metadata"]["labels"]
+        pods.append(Pod(f"{svc.namespace}/{svc.name}-{role}-probe", svc.namespace,
                         tuple(sorted(labels.items()))))
     return pods
 
@@ -119,6 +125,10 @@ def promised(svc: InferenceService, pods: list[Pod], *, router_from: list[str] |
     edges |= {(f"{me}-prefill", f"{me}-decode", port) for port in [*kv, *nixl]}
     # a draining decode moves its streams' KV to another decode (of the same pool)
     edges |= {(f"{me}-decode", f"{me}-decode", port) for port in [8998, *kv, *nixl]}
+    # the gate's probe pods: the router's probes, and the KV plane between the two of them
+    probes = [f"{me}-prefill-probe", f"{me}-decode-probe"]
+    edges |= {(f"{me}-router", probe, 8000) for probe in probes}
+    edges |= {(src, dst, port) for src in probes for dst in probes for port in [8998, *kv, *nixl]}
     return edges
 
 
@@ -145,7 +155,7 @@ def test_each_pod_accepts_exactly_its_service_peers_on_exactly_its_ports(
     pods = [*pods_of(llm), *pods_of(chat), *pods_of(twin), *extras]
     policies = [c for svc in (llm, chat, twin) for c in build_children(svc)
                 if c["kind"] == "NetworkPolicy"]
-    assert len(policies) == 9
+    assert len(policies) == 12
     edges = allowed(policies, pods)
     assert into(edges, llm) == promised(
         llm, pods, router_from=["ingress-nginx/controller"] if fenced else None,
@@ -157,7 +167,9 @@ def test_each_pod_accepts_exactly_its_service_peers_on_exactly_its_ports(
     for policy in policies:
         selected = {p.name for p in pods if p.namespace == policy["metadata"]["namespace"]
                     and matches(policy["spec"]["podSelector"], dict(p.labels))}
-        assert selected == {f"{policy['metadata']['namespace']}/{policy['metadata']['name']}"}
+        mine = f"{policy['metadata']['namespace']}/{policy['metadata']['name']}"
+        assert selected == ({f"{mine[:-len('-probe')]}-{role}-probe" for role in WORKER_ROLES}
+                            if mine.endswith("-probe") else {mine})
 
 
 def test_a_disabled_fence_renders_no_policy_and_deletes_the_old_ones() -> None:

@@ -10,7 +10,14 @@ import threading
 
 import pytest
 
-from tests.kube.isvc_helpers import NAMESPACE, Cluster, OperatorFactory, isvc, wait_for
+from tests.kube.isvc_helpers import (
+    NAMESPACE,
+    Cluster,
+    OperatorFactory,
+    deployment_of,
+    isvc,
+    wait_for,
+)
 from tests.kube.kubectl_tool import kubectl, run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(90)
@@ -37,10 +44,10 @@ def test_watch_shows_the_phases_and_progress_is_normal(cluster: Cluster,
             cluster.create(isvc("llm"))
             wait_for(lambda: phase(cluster, "llm") == "Pending", 20, "Pending")
             wait_for(lambda: watched("Pending"), 30, lambda: f"the watch to print Pending: {lines}")
-            cluster.set_deployment_status("llm-prefill")
+            cluster.set_deployment_status(cluster.pool_name("llm", "prefill"))
             wait_for(lambda: watched("Progressing"), 30, lambda: f"Progressing: {lines}")
             for role in ("decode", "router"):
-                cluster.set_deployment_status(f"llm-{role}")
+                cluster.set_deployment_status(cluster.pool_name("llm", role))
             wait_for(lambda: watched("Ready"), 30, lambda: f"Ready: {lines}")
         finally:
             watch.terminate()
@@ -60,8 +67,9 @@ def test_watch_shows_the_phases_and_progress_is_normal(cluster: Cluster,
 
 def test_get_shows_why_for_ready_invalid_and_conflicting_services(
         cluster: Cluster, operator: OperatorFactory) -> None:
+    taken = isvc("taken", router={"policy": "least_load"})
     cluster.apps.create_namespaced_deployment(NAMESPACE, {
-        "metadata": {"name": "taken-decode"}, "spec": {
+        "metadata": {"name": deployment_of(taken, "decode")}, "spec": {
             "selector": {"matchLabels": {"app": "x"}},
             "template": {"metadata": {"labels": {"app": "x"}}, "spec": {"containers": []}}}})
     with operator():
@@ -70,12 +78,13 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
                             autoscaling={"decode": {"min": 2, "max": 6, "metric": "cpu"}}))
         cluster.create(isvc("invalid", kvTransfer={"backend": "tcp"}, prefill={
             "template": {"spec": {"hostNetwork": True}}}))
-        cluster.create(isvc("taken", router={"policy": "least_load"}))
+        cluster.create(taken)
         wait_for(lambda: all(phase(cluster, n) for n in ("smollm2", "invalid", "taken")), 20,
                  "three statuses")
-        run_kubectl("scale", "deployment/smollm2-decode", "--replicas=4")  # as the HPA would
+        run_kubectl("scale", f"deployment/{cluster.pool_name('smollm2', 'decode')}",
+                    "--replicas=4")  # as the HPA would
         for role in ("prefill", "decode", "router"):
-            cluster.set_deployment_status(f"smollm2-{role}")
+            cluster.set_deployment_status(cluster.pool_name("smollm2", role))
         wait_for(lambda: phase(cluster, "smollm2") == "Ready", 10, "smollm2 Ready")
         table = run_kubectl("get", "bisvc")
         wide = run_kubectl("get", "bisvc", "-o", "wide")

@@ -79,7 +79,7 @@ def life_of_a_service(cluster: Cluster) -> None:
     """Create, tamper with each kind of child, become Ready, drop the optional children,
     delete: every request the operator makes in normal work."""
     cluster.create(isvc("llm", **SPEC))
-    wait_for(lambda: len(cluster.children()) == 13, 30, "thirteen children")
+    wait_for(lambda: len(cluster.children()) == 14, 30, "fourteen children")
     for target, patch in TAMPER:
         field = "{.spec}" if "spec" in patch else "{.rules}{.subjects}{.automountServiceAccountToken}"
         before = run_kubectl("get", target, "-o", f"jsonpath={field}")
@@ -87,7 +87,7 @@ def life_of_a_service(cluster: Cluster) -> None:
         wait_for(lambda t=target, b=before, f=field: run_kubectl(  # type: ignore[misc]
             "get", t, "-o", f"jsonpath={f}") == b, 10, f"{target} restored")
     for role in ("prefill", "decode", "router"):
-        cluster.set_deployment_status(f"llm-{role}")
+        cluster.set_deployment_status(cluster.pool_name("llm", role))
     wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 10, "Ready")
     cluster.patch("llm", {"spec": {"ingress": None, "autoscaling": None,
                                    "decode": {"replicas": 1}, "router": {"discovery": "dns"},
@@ -140,7 +140,8 @@ def test_a_missing_permission_is_refused(emulated: EmulatedCluster, cluster: Clu
                            "BATON_OPERATOR_CLUSTER_SCANNING": "false"}):
         cluster.create(isvc("llm"))
         wait_for(lambda: ("Deployment", "llm-router") in cluster.children(), 20, "children")
-        run_kubectl("scale", "deployment/llm-decode", "--replicas=3")
+        decode = cluster.pool_name("llm", "decode")
+        run_kubectl("scale", f"deployment/{decode}", "--replicas=3")
         wait_for(lambda: any(not ok for _, ok in emulated.rbac_decisions(USER)), 10, "a 403")
     denied = {(a.verb, a.resource, a.name) for a, ok in emulated.rbac_decisions(USER) if not ok}
-    assert denied == {("patch", "deployments", "llm-decode")}
+    assert denied == {("patch", "deployments", decode)}

@@ -12,7 +12,7 @@ import pytest
 from baton_operator.builders.pods import CONTAINER
 from baton_operator.refusal import NOT_SERVABLE, REASON, refused_message
 
-from tests.kube.isvc_helpers import MERGE, Cluster, OperatorFactory, isvc, wait_for
+from tests.kube.isvc_helpers import MERGE, Cluster, OperatorFactory, deployment_of, isvc, wait_for
 from tests.kube.kubectl_tool import run_kubectl, table_cells
 
 pytestmark = pytest.mark.timeout(90)
@@ -66,8 +66,9 @@ def test_a_refused_model_is_a_condition_and_a_held_pool_until_the_spec_changes(
         cluster: Cluster, operator: OperatorFactory) -> None:
     with operator():
         cluster.create(isvc("llm"))
-        wait_for(lambda: cluster.child("Deployment", "llm-prefill"), 20, "the prefill pool")
-        old = add_pod(cluster, "llm-prefill-a", "llm-prefill", pod_status(terminated(2, REFUSAL)))
+        wait_for(lambda: cluster.pool("llm", "prefill"), 20, "the prefill pool")
+        old = add_pod(cluster, "llm-prefill-a", cluster.pool_name("llm", "prefill"),
+                      pod_status(terminated(2, REFUSAL)))
 
         # the condition, on the service and on the pool, with the worker's own words
         ready = wait_for(lambda: cluster.condition("llm", "Ready").get("reason") == REASON
@@ -80,10 +81,10 @@ def test_a_refused_model_is_a_condition_and_a_held_pool_until_the_spec_changes(
         assert cluster.condition("llm", "DecodeReady")["reason"] != REASON
         assert (cluster.get("llm") or {})["status"]["phase"] == "Failed"
         # the crash loop stops: the pool is held at 0, the refusal noted on its Deployment
-        held = wait_for(lambda: (d := cluster.child("Deployment", "llm-prefill"))
+        held = wait_for(lambda: (d := cluster.pool("llm", "prefill"))
                         and d["spec"]["replicas"] == 0 and d, 10, "prefill held at 0")
         assert REFUSAL in held["metadata"]["annotations"][NOT_SERVABLE]
-        assert cluster.child("Deployment", "llm-decode")["spec"]["replicas"] == 1
+        assert cluster.pool("llm", "decode")["spec"]["replicas"] == 1
         # `kubectl get bisvc` says why
         (row,) = table_cells(run_kubectl("get", "bisvc"))
         assert (row["READY"], row["REASON"], row["PHASE"]) == ("False", REASON, "Failed")
@@ -92,40 +93,43 @@ def test_a_refused_model_is_a_condition_and_a_held_pool_until_the_spec_changes(
         cluster.core.delete_namespaced_pod("llm-prefill-a", cluster.namespace)
         touch(cluster, "llm", "1")
         assert cluster.condition("llm", "Ready") == ready
-        assert cluster.child("Deployment", "llm-prefill")["spec"]["replicas"] == 0
+        assert cluster.pool("llm", "prefill")["spec"]["replicas"] == 0
         wait_for(lambda: refusal_events(cluster), 10, "a ModelNotServable event")
         (event,) = refusal_events(cluster)
         assert (event["type"], event["message"]) == ("Warning", ready["message"])
 
-        # a new model: the pool comes back; a refused pod of the old spec says nothing
-        cluster.patch("llm", {"spec": {"model": {"uri": "builtin:qwen2-0.5b"}}})
-        add_pod(cluster, "llm-prefill-b", "llm-prefill", pod_status(terminated(2, REFUSAL)),
+        # a new model (a new revision, not gated: the old one does not serve): the pool comes
+        # back; a refused pod of the old spec says nothing
+        body = isvc("llm", model={"uri": "builtin:qwen2-0.5b"})
+        cluster.patch("llm", {"spec": body["spec"]})
+        prefill, decode = (deployment_of(body, role) for role in ("prefill", "decode"))
+        add_pod(cluster, "llm-prefill-b", prefill, pod_status(terminated(2, REFUSAL)),
                 template=old)
-        wait_for(lambda: cluster.child("Deployment", "llm-prefill")["spec"]["replicas"] == 1,
-                 20, "prefill back to 1 replica")
+        wait_for(lambda: (cluster.child("Deployment", prefill) or {}).get("spec", {}).get(
+            "replicas") == 1, 20, "prefill back to 1 replica")
         wait_for(lambda: cluster.condition("llm", "Ready").get("reason") == "Updating", 20,
                  "the refusal cleared")
-        dep = cluster.child("Deployment", "llm-prefill")
+        dep = cluster.child("Deployment", prefill) or {}
         assert NOT_SERVABLE not in (dep["metadata"].get("annotations") or {})
         assert cluster.condition("llm", "PrefillReady")["reason"] == "Updating"
 
         # a crash of the new spec that is not a refusal (exit 1): pods restart, as ever
-        add_pod(cluster, "llm-prefill-c", "llm-prefill", pod_status(terminated(1, "OOM")))
+        add_pod(cluster, "llm-prefill-c", prefill, pod_status(terminated(1, "OOM")))
         touch(cluster, "llm", "2")
         assert cluster.condition("llm", "Ready").get("reason") == "Updating"
-        assert cluster.child("Deployment", "llm-prefill")["spec"]["replicas"] == 1
+        assert (cluster.child("Deployment", prefill) or {})["spec"]["replicas"] == 1
         # the new spec refused too (the decode pool here): held again, at this generation;
         # with nothing else happening, the pod's own event runs the pass
         time.sleep(1.0)
-        add_pod(cluster, "llm-decode-a", "llm-decode", pod_status(terminated(2, "quantization "
-                                                                              "'awq': no")))
+        add_pod(cluster, "llm-decode-a", decode, pod_status(terminated(2, "quantization "
+                                                                         "'awq': no")))
         wait_for(lambda: cluster.condition("llm", "DecodeReady").get("reason") == REASON, 10,
                  "DecodeReady=False/ModelNotServable")
-        wait_for(lambda: cluster.child("Deployment", "llm-decode")["spec"]["replicas"] == 0, 10,
-                 "decode held at 0")
+        wait_for(lambda: (cluster.child("Deployment", decode) or {})["spec"]["replicas"] == 0,
+                 10, "decode held at 0")
         assert cluster.condition("llm", "Ready")["message"] == (
             "decode: quantization 'awq': no (held at 0 replicas until the spec changes)")
-        assert cluster.child("Deployment", "llm-prefill")["spec"]["replicas"] == 1
+        assert (cluster.child("Deployment", prefill) or {})["spec"]["replicas"] == 1
 
 
 def test_a_pool_that_still_serves_is_reported_not_scaled(cluster: Cluster,
@@ -135,10 +139,13 @@ def test_a_pool_that_still_serves_is_reported_not_scaled(cluster: Cluster,
     its autoscaler."""
     with operator():
         cluster.create(isvc("llm", autoscaling={"decode": {"min": 1, "max": 2, "metric": "cpu"}}))
-        wait_for(lambda: cluster.child("Deployment", "llm-decode"), 20, "the pools")
-        cluster.set_deployment_status("llm-prefill", ready=1, replicas=2, updatedReplicas=1)
-        add_pod(cluster, "llm-prefill-new", "llm-prefill", pod_status(terminated(2, REFUSAL)))
-        add_pod(cluster, "llm-decode-new", "llm-decode", pod_status(terminated(2, REFUSAL)))
+        wait_for(lambda: cluster.pool("llm", "decode"), 20, "the pools")
+        cluster.set_deployment_status(cluster.pool_name("llm", "prefill"), ready=1, replicas=2,
+                                      updatedReplicas=1)
+        add_pod(cluster, "llm-prefill-new", cluster.pool_name("llm", "prefill"),
+                pod_status(terminated(2, REFUSAL)))
+        add_pod(cluster, "llm-decode-new", cluster.pool_name("llm", "decode"),
+                pod_status(terminated(2, REFUSAL)))
         wait_for(lambda: cluster.condition("llm", "PrefillReady").get("reason") == REASON
                  and cluster.condition("llm", "DecodeReady").get("reason") == REASON, 20,
                  "both pools ModelNotServable")
@@ -147,7 +154,7 @@ def test_a_pool_that_still_serves_is_reported_not_scaled(cluster: Cluster,
                            f"decode: {REFUSAL} (its pods keep restarting)")
         time.sleep(1.0)
         for role in ("prefill", "decode"):
-            dep = cluster.child("Deployment", f"llm-{role}")
+            dep = cluster.pool("llm", role)
             assert dep["spec"].get("replicas") != 0 and NOT_SERVABLE not in (
                 dep["metadata"].get("annotations") or {}), role  # (the HPA owns decode's)
 

@@ -27,7 +27,7 @@ def churn_pools(cluster: Cluster, rounds: int) -> None:
     pass of the operator) between all-ready and none-ready."""
     for i in range(rounds):
         for role in ("prefill", "decode", "router"):
-            cluster.set_deployment_status(f"llm-{role}", ready=None if i % 2 else 0)
+            cluster.set_deployment_status(cluster.pool_name("llm", role), ready=None if i % 2 else 0)
 
 
 def test_a_rejected_child_is_one_stable_ready_false(

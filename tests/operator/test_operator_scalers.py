@@ -22,7 +22,7 @@ def test_the_scaler_follows_what_the_cluster_serves(cluster: Cluster,
         assert (cond["status"], cond["reason"]) == ("False", "NoMetricsSource")
         assert "spec.autoscaling.prefill.metric queue cannot scale" in cond["message"]
         assert "spec.autoscaling.decode.metric kv cannot scale" in cond["message"]
-        children = cluster.children()
+        children = cluster.children(pooled=True)
         assert not [k for k in children if k[0] == "HorizontalPodAutoscaler"]
         assert children["Deployment", "bare-decode"]["spec"]["replicas"] == 2
         pod = children["Deployment", "bare-decode"]["spec"]["template"]["metadata"]
@@ -65,7 +65,7 @@ def test_the_scaler_follows_what_the_cluster_serves(cluster: Cluster,
                                                      NAMESPACE, "watched"), 20, "a PodMonitor")
         assert monitor["spec"]["podTargetLabels"] == ["app.kubernetes.io/instance",
                                                       "baton.dev/role"]
-        decode = wait_for(lambda: cluster.child("Deployment", "watched-decode"))
+        decode = wait_for(lambda: cluster.pool("watched", "decode"))
         annotations = decode["spec"]["template"]["metadata"]["annotations"]
         assert "prometheus.io/scrape" not in annotations
         assert cluster.condition("watched", "Autoscaling") == {}  # it does not autoscale

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.auth.key import ENV
+from runtime.auth.key import ENV, ClusterKey
 from runtime.router.probe import oracle_mismatch
 from tests.router.router_process import RouterProcess, start_router
 from tests.server.server_process import ServerProcess, free_port
@@ -32,6 +32,7 @@ class Pods:
     corrupting_port: int
     decode: ServerProcess
     router: RouterProcess
+    key: str  # the cluster key all of them share
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def pods(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         # the router serves the sound pair; the probes name their pair, in its pools or not
         router = start_router("--prefill", f"{procs[0].url},{ports[0]}", "--decode", procs[2].url,
                               "--admin-api-key", ADMIN, log_path=logs / "router.log", env=env)
-        yield Pods(procs[0], ports[0], procs[1], ports[1], procs[2], router)
+        yield Pods(procs[0], ports[0], procs[1], ports[1], procs[2], router, env[ENV])
     finally:
         if router is not None:
             router.stop()
@@ -133,6 +134,22 @@ def test_only_the_admin_key_opens_it(pods: Pods, tmp_path: Path) -> None:
         assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"], r.text
     finally:
         bare.stop()
+
+
+def test_the_operators_token_from_the_cluster_key_opens_it(pods: Pods) -> None:
+    """The operator holds the service's Secret, not the admin key: the token it derives from
+    the cluster key is an admin credential; one derived from another key is not."""
+    body = {"prefill": pods.sound.url, "bootstrap_port": pods.sound_port,
+            "decode": pods.decode.url, "prompt_tokens": [4], "max_tokens": 2}
+    token = ClusterKey(pods.key.encode()).operator_token()
+    r = httpx.post(f"{pods.router.url}/debug/probe", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200 and r.json()["passed"], r.text
+    other = ClusterKey(b"another service's key, 32 bytes!").operator_token()
+    r = httpx.post(f"{pods.router.url}/debug/probe", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {other}"})
+    assert r.status_code == 403, r.text
+    assert ClusterKey.none().operator_token() is None  # no key, no token
 
 
 def test_the_verdict_compares_every_token_with_the_oracles() -> None:

@@ -10,7 +10,13 @@ from baton_operator.builders.autoscaling import (
     build_hpa,
     build_scaled_object,
 )
-from baton_operator.builders.common import child_name, labels, owner_reference, selector_labels
+from baton_operator.builders.common import (
+    child_name,
+    labels,
+    owner_reference,
+    probe_name,
+    selector_labels,
+)
 from baton_operator.builders.monitoring import build_pod_monitor
 from baton_operator.builders.network import (
     build_headless_service,
@@ -65,6 +71,7 @@ def optional_children(svc: InferenceService, caps: Capabilities | None = None
     if caps.keda:
         keys += [(KEDA[0], "ScaledObject", child_name(svc, r)) for r in WORKER_ROLES]
     keys += [("policy/v1", "PodDisruptionBudget", child_name(svc, r)) for r in ROLES]
+    keys += [("apps/v1", "Deployment", probe_name(svc, r)) for r in WORKER_ROLES]  # the gate's
     return keys + router_access_keys(svc) + network_policy_keys(svc)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from baton_operator.builders.common import child_name, metadata
+from baton_operator.builders.common import child_name, deployment_name, metadata
+from baton_operator.builders.pods import spec_revision
 from baton_operator.capabilities import CUSTOM_METRICS, KEDA, Capabilities
 from baton_operator.spec import WORKER_ROLES, Autoscale, InferenceService, WorkerRole
 
@@ -97,7 +98,8 @@ def build_hpa(svc: InferenceService, role: WorkerRole, caps: Capabilities
         "kind": "HorizontalPodAutoscaler",
         "metadata": metadata(svc, name, role),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                               "name": deployment_name(svc, role, spec_revision(svc))},
             "minReplicas": scale.min,
             "maxReplicas": scale.max,
             "metrics": [_hpa_metric(scale)],
@@ -129,7 +131,8 @@ def build_scaled_object(svc: InferenceService, role: WorkerRole, caps: Capabilit
         "kind": "ScaledObject",
         "metadata": metadata(svc, name, role),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                               "name": deployment_name(svc, role, spec_revision(svc))},
             "minReplicaCount": scale.min,
             "maxReplicaCount": scale.max,
             "triggers": [{

@@ -11,6 +11,8 @@ collector deletes the Secret with its service (owner reference).
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import secrets
 from typing import Any
 
@@ -52,3 +54,13 @@ def key_volume(svc: InferenceService) -> dict[str, Any]:
 
 def key_mount() -> dict[str, Any]:
     return {"name": VOLUME, "mountPath": MOUNT, "readOnly": True}
+
+
+def operator_token(key: bytes) -> str:
+    """The admin credential the router derives from the cluster key (runtime/auth/key.py
+    `ClusterKey.operator_token`, the same HMAC-SHA256 under the key's subkey for the purpose
+    "operator-admin", over no parts; written here because the operator does not import the
+    runtime, and tested against it): what the operator presents to the router's
+    `/debug/probe` for the rollout gate (probing.py)."""
+    sub = hmac.new(key, b"baton/operator-admin", hashlib.sha256).digest()
+    return hmac.new(sub, digestmod=hashlib.sha256).hexdigest()

@@ -14,6 +14,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_ROLE = "baton.dev/role"
 LABEL_REVISION = "baton.dev/revision"  # a worker pod's revision (pods.py `spec_revision`)
+SERVING = "baton"  # LABEL_NAME of the pods that serve: the router and Services select them
+PROBING = "baton-probe"  # LABEL_NAME of the rollout gate's probe pods (never serve clients)
 
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
@@ -31,6 +33,18 @@ def child_name(svc: InferenceService, role: Role) -> str:
     return f"{svc.name}-{role}"
 
 
+def deployment_name(svc: InferenceService, role: Role, revision: str | None = None) -> str:
+    """A pool's Deployment: the router's `<name>-router`; a worker pool has one per revision,
+    `<name>-<role>-<revision>`, so that a rollout scales the old and the new revision of both
+    pools in step (rollout.py)."""
+    return child_name(svc, role) if revision is None else f"{child_name(svc, role)}-{revision}"
+
+
+def probe_name(svc: InferenceService, role: Role) -> str:
+    """The Deployment of the rollout gate's probe pod of a pool (probing.py)."""
+    return f"{child_name(svc, role)}-probe"
+
+
 def service_host(svc: InferenceService, role: Role) -> str:
     """Cluster DNS name of a pool's headless Service."""
     return f"{child_name(svc, role)}.{svc.namespace}.svc.cluster.local"
@@ -38,7 +52,7 @@ def service_host(svc: InferenceService, role: Role) -> str:
 
 def selector_labels(svc: InferenceService, role: Role) -> dict[str, str]:
     """Pod selector of a pool; immutable on Deployments, so it never grows."""
-    return {LABEL_NAME: "baton", LABEL_INSTANCE: svc.name, LABEL_ROLE: role}
+    return {LABEL_NAME: SERVING, LABEL_INSTANCE: svc.name, LABEL_ROLE: role}
 
 
 def labels(svc: InferenceService, role: Role) -> dict[str, str]:

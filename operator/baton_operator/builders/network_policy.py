@@ -11,7 +11,9 @@ NetworkPolicy; egress is left open: routers call the API server, workers pull mo
            streams' KV to another: runtime/disagg/move.py);
 - nixl:    UCX's port range between this service's prefills and decodes, both ways, and
            between its decodes;
-- workers: HTTP (which serves /metrics) from `metricsFrom` as well.
+- workers: HTTP (which serves /metrics) from `metricsFrom` as well;
+- probe:   the rollout gate's probe pods (`app.kubernetes.io/name: baton-probe`, which no
+           other policy selects): HTTP from this service's routers, the KV plane between them.
 
 Peers are named by the pools' selector labels, which carry the service's name, so no pod of
 another service (or another namespace: a bare podSelector stays in the policy's namespace)
@@ -27,6 +29,9 @@ from typing import Any
 from baton_operator.builders.common import (
     BOOTSTRAP_PORT,
     HTTP_PORT,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    PROBING,
     UCX_PORT_RANGE,
     child_name,
     kv_ports,
@@ -43,12 +48,29 @@ def build_network_policies(svc: InferenceService) -> list[dict[str, Any]]:
     """The three policies, or none when `spec.networkPolicy.enabled` is false."""
     if not svc.network_policy.enabled:
         return []
-    return [_policy(svc, role, _rules(svc, role)) for role in ROLES]
+    return [*(_policy(svc, role, _rules(svc, role)) for role in ROLES), _probe_policy(svc)]
 
 
 def network_policy_keys(svc: InferenceService) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every policy `build_network_policies` may build."""
-    return [(API, KIND, child_name(svc, role)) for role in ROLES]
+    return [*((API, KIND, child_name(svc, role)) for role in ROLES),
+            (API, KIND, f"{svc.name}-probe")]
+
+
+def _probe_policy(svc: InferenceService) -> dict[str, Any]:
+    """The gate's probe pods: the router's probes in, and the KV plane between the probe
+    prefill and the probe decode (bootstrap, KV receivers, UCX), nothing else."""
+    probes = {LABEL_NAME: PROBING, LABEL_INSTANCE: svc.name}
+    kv = kv_ports(svc.decode.tensor_parallel_size)
+    plane = [_port(BOOTSTRAP_PORT), _port(kv[0], kv[-1]) if len(kv) > 1 else _port(kv[0])]
+    if svc.kv_backend == "nixl":
+        plane.append(_port(*UCX_PORT_RANGE))
+    policy = _policy(svc, "decode", [_rule([_pods(svc, "router")], [_port(HTTP_PORT)]),
+                                     _rule([{"podSelector": {"matchLabels": probes}}], plane)])
+    policy["metadata"]["name"] = f"{svc.name}-probe"
+    policy["metadata"]["labels"]["app.kubernetes.io/component"] = "probe"
+    policy["spec"]["podSelector"] = {"matchLabels": probes}
+    return policy
 
 
 def _rules(svc: InferenceService, role: Role) -> list[dict[str, Any]]:
