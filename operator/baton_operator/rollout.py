@@ -47,6 +47,7 @@ from baton_operator.builders.common import (
     deployment_name,
 )
 from baton_operator.builders.pods import spec_revision
+from baton_operator.builders.workloads import build_probe_deployment
 from baton_operator.kube import Kube
 from baton_operator.probing import Gate, run_gate
 from baton_operator.spec import WORKER_ROLES, InferenceService, WorkerRole
@@ -230,8 +231,6 @@ class Decision:
         """The pass's children under this plan: the new revision's Deployments at the step's
         replicas (left out while the gate has not passed), the probe pair while it runs, no
         autoscaler while anything but the new revision serves."""
-        from baton_operator.builders.workloads import build_probe_deployment
-
         plan, out = self.plan, []
         targets = {deployment_name(svc, role, plan.revision): role for role in WORKER_ROLES}
         for child in children:

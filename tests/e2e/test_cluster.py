@@ -398,6 +398,7 @@ def test_the_planner_recommends_from_the_load_and_then_sizes_the_pools(
 
 
 ROLL_PROMPTS = ["Name three colours.", "What is two plus two?", "Say hello in French."]
+ROLL_TOKENS = 12
 
 
 def rollout(cluster: Cluster) -> dict[str, Any]:
@@ -440,7 +441,7 @@ class Streams:
         while not self.stop.is_set():
             prompt = ROLL_PROMPTS[(i + self.done) % len(ROLL_PROMPTS)]
             try:
-                got = chat(self.url, "smollm2-135m", prompt)
+                got = chat(self.url, "smollm2-135m", prompt, max_tokens=ROLL_TOKENS)
                 if got != self.expected[prompt]:
                     self.failures.append((prompt, got, self.expected[prompt]))
             except Exception as e:  # every error counts, none may happen
@@ -469,7 +470,7 @@ def test_a_revision_whose_prefill_corrupts_kv_is_stopped_by_the_gate(
     scale_to(local, cluster, 2, 2)
     serving = rollout(cluster)["revision"]
     url = router_url(cluster)
-    expected = {p: chat(server.url, "smollm2", p) for p in ROLL_PROMPTS}
+    expected = {p: chat(server.url, "smollm2", p, max_tokens=ROLL_TOKENS) for p in ROLL_PROMPTS}
     args = ["--max-total-tokens", str(KV_TOKENS)]
     bad = [*args, "--perturb", "kv_before_send=1", "--perturb-warmup-steps", "0"]
     with Streams(url, expected) as streams:
@@ -482,6 +483,7 @@ def test_a_revision_whose_prefill_corrupts_kv_is_stopped_by_the_gate(
         done = streams.done
         wait_for(lambda: streams.done >= done + 2, 120, "requests after the verdict")
     assert not streams.failures and streams.done >= 4, streams.failures[:3]
+    print(f"\ngate: {streams.done} streams exact while it probed; Progressing: {failed['message']}")
     assert failed["status"] == "False"
     assert "probe 1: 5 prompt tokens" in failed["message"] and "KV canary" in failed["message"], (
         failed)
@@ -513,8 +515,9 @@ def test_a_new_revision_rolls_out_in_step_under_streams(
     scale_to(local, cluster, 2, 2)
     old = rollout(cluster)["revision"]
     url = router_url(cluster)
-    expected = {p: chat(server.url, "smollm2", p) for p in ROLL_PROMPTS}
+    expected = {p: chat(server.url, "smollm2", p, max_tokens=ROLL_TOKENS) for p in ROLL_PROMPTS}
     phases: list[str | None] = []
+    timeline: list[tuple[Any, ...]] = []  # (seconds, phase, step, prefill, decode) on changes
     revisions_paired: set[str] = set()
     skews: list[tuple[float, dict[tuple[str, str], int]]] = []
 
@@ -530,11 +533,16 @@ def test_a_new_revision_rolls_out_in_step_under_streams(
     with Streams(url, expected) as streams:
         run_kubectl("patch", "bisvc", NAME, "--type=merge", "-p", json.dumps(
             {"spec": {"decode": {"env": [{"name": "BATON_E2E_ROLLOUT", "value": "1"}]}}}))
-        deadline = time.monotonic() + 480
+        began = time.monotonic()
+        deadline = began + 480
         while time.monotonic() < deadline:
             state = rollout(cluster)
             if not phases or phases[-1] != state.get("phase"):
                 phases.append(state.get("phase"))
+            moment = (state.get("phase"), state.get("step"), state.get("prefill"),
+                      state.get("decode"))
+            if not timeline or timeline[-1][1:] != moment:
+                timeline.append((round(time.monotonic() - began, 1), *moment))
             sample_pairs()
             counts = ready_by_revision(cluster)
             new = state.get("revision")
@@ -549,10 +557,16 @@ def test_a_new_revision_rolls_out_in_step_under_streams(
         else:
             raise AssertionError(f"the rollout did not finish: {rollout(cluster)}; phases "
                                  f"{phases}; operator log:\n{local.operator_log()}")
-        done = streams.done
-        wait_for(lambda: sample_pairs() or streams.done >= done + 4, 120,
+        done, settled = streams.done, time.monotonic() - began
+        wait_for(lambda: sample_pairs() or streams.done >= done + 2, 120,
                  "requests on the new revision")
+        print(f"\nsettled at {settled:.1f} s, 2 more streams by {time.monotonic() - began:.1f} s")
     assert not streams.failures, streams.failures[:3]
+    print(f"\nrollout: {time.monotonic() - began:.0f} s, phases {phases}, {streams.done} streams "
+          f"exact, {len(skews)} polls, largest skew {max(s for s, _ in skews):.2f}, pairs of "
+          f"revisions {sorted(revisions_paired)}")
+    for moment in timeline:
+        print("  ", *moment)
     assert streams.done >= 6, streams.done
     assert phases[-3:] == ["Probing", "RollingOut", "Stable"], phases
     assert {old, new} <= revisions_paired, revisions_paired  # both served, never mixed
@@ -652,8 +666,9 @@ def test_the_helm_rendered_operator_takes_over_and_reconciles(local: LocalCluste
     router = uid(cluster, "deployment", f"{NAME}-router")
     wait_for(lambda: [p["metadata"]["ownerReferences"][0]["uid"]
                       for p in pods(cluster, "router")] == [router], 30, "the new router pod")
-    wait_for(lambda: ready(cluster), READY_S,
-             lambda: f"Ready under the chart's operator; its log:\n{log()}")
+    # the new router pod ready (Ready may still be True from before it was replaced)
+    wait_for(lambda: ready(cluster) and all(pod_ready(p) for p in pods(cluster, "router")),
+             READY_S, lambda: f"Ready under the chart's operator; its log:\n{log()}")
     url = router_url(cluster)
     wait_for(lambda: httpx.get(f"{url}/ready", trust_env=False).status_code == 200, 30,
              "the new router ready")

@@ -17,6 +17,7 @@ from baton_operator.builders import (
     build_router_service,
 )
 from baton_operator.builders.pods import spec_revision
+from baton_operator.builders.workloads import build_probe_deployment
 from baton_operator.capabilities import Capabilities
 from baton_operator.spec import InferenceService, parse_service
 
@@ -589,7 +590,9 @@ def test_disruption_budgets_only_for_pools_that_can_have_two_pods() -> None:
                          ids=["bare-cluster", "custom-metrics"])
 def test_children_validate_against_kubernetes_schemas(spec: dict[str, Any],
                                                       caps: Capabilities) -> None:
-    for child in build_children(service(**spec), caps):
+    svc = service(**spec)
+    probes = [build_probe_deployment(svc, role) for role in ("prefill", "decode")]  # the gate's
+    for child in [*build_children(svc, caps), *probes]:
         kubernetes_validate.validate(child, "1.30", strict=True)
 
 

@@ -5,6 +5,7 @@ emulated API printing the CRD's columns as kube-apiserver does."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 
@@ -103,5 +104,9 @@ def test_get_shows_why_for_ready_invalid_and_conflicting_services(
             rows["invalid"]["KV"]) == ("False", "InvalidSpec", "Failed", "tcp")
     assert (rows["taken"]["READY"], rows["taken"]["REASON"], rows["taken"]["PHASE"],
             rows["taken"]["POLICY"]) == ("False", "NameConflict", "Failed", "least_load")
+    # the rollout's columns: a service whose only revision serves is Stable, all pods new
+    assert (rows["smollm2"]["ROLLOUT"], rows["smollm2"]["PREFILL-ROLLOUT"],
+            rows["smollm2"]["DECODE-ROLLOUT"]) == ("Stable", "1/1 new", "4/4 new")
+    assert re.fullmatch(r"[0-9a-f]{12}", rows["smollm2"]["REVISION"]), rows["smollm2"]
     assert [r["NAME"] for r in table_cells(table)] == ["invalid", "smollm2", "taken"]
     assert "MODEL" not in table.splitlines()[0], "priority-1 columns only with -o wide"
