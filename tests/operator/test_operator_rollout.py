@@ -171,9 +171,11 @@ def test_ready_shares_stay_within_a_step_whatever_the_order_pods_move_in(
         d = deps[name]
         d["pods"] += {"start": 1, "ready": 0, "leave": -1}[kind]
         d["ready"] += kind == "ready"
-        shares = {role: sum(d["ready"] for d in deps.values()
-                            if d["role"] == role and d["rev"] == REV) / size[role] for role in size}
-        assert abs(shares["prefill"] - shares["decode"]) <= bound + 1e-9, (shares, deps)
+        for rev in (REV, OLD):  # each revision's ready P:D, the new one's and the old one's
+            shares = {role: sum(d["ready"] for d in deps.values()
+                                if d["role"] == role and d["rev"] == rev) / size[role]
+                      for role in size}
+            assert abs(shares["prefill"] - shares["decode"]) <= bound + 1e-9, (rev, shares, deps)
         for role in size:  # capacity: at most one step's pods of a pool out of service
             ready = sum(d["ready"] for d in deps.values() if d["role"] == role)
             assert ready >= size[role] - new_at(1, size[role], k) - 1e-9, (role, deps)
