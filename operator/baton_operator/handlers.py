@@ -41,7 +41,7 @@ from baton_operator.planning import Planning, router_figures
 from baton_operator.reconcile import PassResult, owner_of, run_pass
 from baton_operator.refusal import EXIT_REFUSED
 from baton_operator.spec import InvalidSpec, parse_service
-from baton_operator.status import ready_event
+from baton_operator.status import ready_event, rollout_event
 
 CONFIG = OperatorConfig.from_env()
 LOG = logging.getLogger("baton_operator")
@@ -214,14 +214,16 @@ def _pass(memo: kopf.Memo, namespace: str, name: str, *, skippable: bool) -> Pas
 
 
 def _report(body: Mapping[str, Any], result: PassResult) -> None:
-    """Log and post an Event for each child written, and for a readiness change."""
+    """Log and post an Event for each child written, for a readiness change and for a
+    rollout's gate and end."""
     for change in result.changes:
         LOG.info("%s/%s: %s", body["metadata"].get("namespace"), body["metadata"]["name"], change)
         _event(body, "Normal", change.outcome.capitalize(), str(change))
     if result.status is not None:
-        event = ready_event(result.status.old, result.status.new)
-        if event is not None:
-            _event(body, *event)
+        for event in (ready_event(result.status.old, result.status.new),
+                      rollout_event(result.status.old, result.status.new)):
+            if event is not None:
+                _event(body, *event)
 
 
 def _event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:

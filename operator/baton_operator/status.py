@@ -216,6 +216,22 @@ def ready_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, st
     return ("Warning" if problem or regressed else "Normal"), str(after.get("reason")), message
 
 
+def rollout_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event to post when a rollout's gate decides (a Warning
+    when it failed) or when a rolled-out revision is left alone serving."""
+    before, after = old.get("rollout") or {}, new.get("rollout") or {}
+    revision = after.get("revision")
+    if after.get("gate") in ("passed", "failed") and (
+            (before.get("revision"), before.get("gate")) != (revision, after.get("gate"))):
+        if after["gate"] == "failed":
+            return "Warning", "ProbeFailed", (f"revision {revision} failed the gate, the old "
+                                              f"revision keeps serving: {after.get('message')}")
+        return "Normal", "ProbePassed", f"revision {revision}: {after.get('message')}"
+    if before.get("phase") == "RollingOut" and after.get("phase") == "Stable":
+        return "Normal", "RolledOut", f"revision {revision} serves alone"
+    return None
+
+
 def condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
     for cond in status.get("conditions") or []:
         if cond.get("type") == kind:

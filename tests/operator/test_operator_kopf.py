@@ -159,9 +159,83 @@ def test_spec_changes_roll_the_pods_and_add_or_remove_optional_children(
         # The HPA owns replicas now: the operator stops setting them but does not reset them.
         assert cluster.pool("llm", "decode")["spec"]["replicas"] == 2  # type: ignore[index]
         assert (cluster.get("llm") or {})["status"]["rollout"]["phase"] == "Stable"
+        wait_for(lambda: [e["message"] for e in cluster.events() if e["reason"] == "RolledOut"],
+                 10, "a RolledOut event")
         assert {k: v for k, v in cluster.versions().items() if k[0] == "Service"} == services
         assert (cluster.get("llm") or {})["status"]["url"] == (
             "http://llm.serving.svc.cluster.local:8000")
+
+
+def test_ready_status_follows_the_child_deployments(cluster: Cluster,
+                                                    operator: OperatorFactory) -> None:
+    with operator():
+        cluster.create(isvc("llm", decode={"replicas": 2}))
+        wait_reconciled(cluster, "llm")
+        assert cluster.condition("llm", "Ready")["status"] == "False"
+        make_ready(cluster, "llm")
+        wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 20, "Ready")
+        status = (cluster.get("llm") or {})["status"]
+        assert status["phase"] == "Ready"
+        assert status["prefill"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+                                     "desiredReplicas": 1, "tensorParallelSize": 1}
+        assert status["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+                                    "desiredReplicas": 2, "tensorParallelSize": 1}
+        assert status["router"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
+                                    "desiredReplicas": 1}
+        for kind in ("PrefillReady", "DecodeReady", "RouterReady"):
+            assert cluster.condition("llm", kind)["status"] == "True"
+        assert cluster.condition("llm", "Progressing")["reason"] == "Complete"
+        wait_for(lambda: any(e.get("reason") == "Ready" and
+                             e["involvedObject"]["name"] == "llm" for e in cluster.events()),
+                 10, "a Ready event")
+
+        # a decode pod goes unready
+        cluster.set_deployment_status(cluster.pool_name("llm", "decode"), ready=1)
+        wait_for(lambda: cluster.condition("llm", "Ready").get("reason") == "PodsNotReady",
+                 20, "Ready=False/PodsNotReady")
+        status = (cluster.get("llm") or {})["status"]
+        assert status["decode"]["readyReplicas"] == 1
+        assert cluster.condition("llm", "DecodeReady")["status"] == "False"
+        assert cluster.condition("llm", "PrefillReady")["status"] == "True"
+        assert "decode 1/2 ready" in cluster.condition("llm", "Ready")["message"]
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ({"kvTransfer": {"backend": "rdma"}}, "rdma"),
+    ({"model": {"uri": "hf://not-org-slash-name"}}, "hf://ORG/NAME"),
+], ids=["rdma-backend", "malformed-uri"])
+def test_invalid_spec_is_reported_and_creates_nothing(
+        cluster: Cluster, operator: OperatorFactory, spec: dict, needle: str) -> None:
+    with operator() as runner:
+        cluster.create(isvc("bad", **spec))
+        ready = wait_for(lambda: cluster.condition("bad", "Ready").get("reason") == "InvalidSpec"
+                         and cluster.condition("bad", "Ready"), 20, "Ready=False/InvalidSpec")
+        assert ready["status"] == "False" and needle in ready["message"]
+        assert (cluster.get("bad") or {})["status"]["phase"] == "Failed"
+        time.sleep(1.0)  # a PermanentError is not retried: nothing may appear later either
+        assert cluster.children() == {}
+        wait_for(lambda: any(e.get("reason") == "InvalidSpec" for e in cluster.events()), 10,
+                 "an InvalidSpec event")
+
+        fixed = {"kvTransfer": {"backend": "tcp"}, "model": {"uri": "builtin:smollm2-135m"}}
+        cluster.patch("bad", {"spec": fixed})
+        wait_children(cluster, core_children("bad"))
+        wait_for(lambda: cluster.condition("bad", "Ready").get("reason") == "Updating", 20,
+                 "InvalidSpec cleared")
+    assert "Handler 'reconcile' failed permanently: Invalid spec" in runner.output
+
+
+def test_delete_leaves_no_finalizer_behind(cluster: Cluster, operator: OperatorFactory) -> None:
+    with operator() as runner:
+        cluster.create(isvc("llm"))
+        obj = wait_reconciled(cluster, "llm")
+        assert obj["metadata"]["finalizers"] == ["baton.dev/finalizer"]
+        wait_children(cluster, core_children("llm"))
+        cluster.delete("llm")
+        wait_for(lambda: cluster.get("llm") is None, 20, "the InferenceService to go away")
+        # The emulator garbage-collects like kube-controller-manager: owner references work.
+        wait_for(lambda: cluster.children() == {}, 10, "children garbage-collected")
+    assert "Traceback" not in runner.output
 
 
 def test_operator_restart_converges(emulated: EmulatedCluster, cluster: Cluster,

@@ -32,6 +32,7 @@ from baton_operator.rollout import (
     steps,
 )
 from baton_operator.spec import InferenceService, InvalidSpec, parse_service
+from baton_operator.status import rollout_event
 
 from runtime.auth.key import ClusterKey
 
@@ -266,3 +267,22 @@ def test_rollout_spec_errors_name_their_field() -> None:
         service(rollout={"surprise": 1})
     default = service().rollout
     assert (default.max_skew, default.gate, default.probe_timeout_s) == (50, True, 900)
+
+
+def test_the_gate_and_the_end_of_a_rollout_are_events() -> None:
+    def st(**rollout: Any) -> dict[str, Any]:
+        return {"rollout": rollout}
+
+    failed = rollout_event(st(revision=REV, phase="Probing", gate="pending"),
+                           st(revision=REV, phase="ProbeFailed", gate="failed", message="probe 1"))
+    assert failed == ("Warning", "ProbeFailed", f"revision {REV} failed the gate, the old "
+                                                "revision keeps serving: probe 1")
+    passed = rollout_event(st(revision=REV, phase="Probing"),
+                           st(revision=REV, phase="RollingOut", gate="passed", message="3 exact"))
+    assert passed == ("Normal", "ProbePassed", f"revision {REV}: 3 exact")
+    assert rollout_event(st(revision=REV, phase="RollingOut", gate="passed"),
+                         st(revision=REV, phase="Stable", gate="passed")) == (
+        "Normal", "RolledOut", f"revision {REV} serves alone")
+    same = st(revision=REV, phase="ProbeFailed", gate="failed", message="probe 1")
+    assert rollout_event(same, same) is None  # once, not on every pass
+    assert rollout_event({}, st(revision=REV, phase="Stable")) is None  # a first revision
