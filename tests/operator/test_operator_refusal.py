@@ -181,3 +181,53 @@ def test_only_a_refusal_of_the_pods_current_command_counts() -> None:
     assert refused_message(pod(older, pod_status(terminated(2, REFUSAL))), container) is None
     tail = refused_message(pod(ran, pod_status(terminated(2, "x" * 5000 + "why"))), container)
     assert tail is not None and tail.endswith("why") and len(tail) < 1100
+
+
+def test_the_gate_waits_for_a_router_and_fails_on_a_probe_pod_that_refuses(
+        cluster: Cluster, operator: OperatorFactory) -> None:
+    """A new revision while the old one serves (kopf, emulated API: no pod runs, the pods are
+    written as kubelet reports them): the probe pair is made from the new templates; with both
+    probe pods ready but no router pod, the gate is pending and says so; a probe pod that
+    refuses the revision (exit code 2) fails the gate with its words, the old revision keeps
+    its Deployments, and the probe Deployments go."""
+    with operator():
+        cluster.create(isvc("llm"))
+        old = {role: cluster.pool_name("llm", role) for role in ("prefill", "decode")}
+        for role in ("prefill", "decode", "router"):
+            cluster.set_deployment_status(cluster.pool_name("llm", role))
+        wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 20, "Ready")
+        cluster.patch("llm", {"spec": {"model": {"uri": "builtin:qwen2-0.5b"}}})
+        probes = {role: wait_for(lambda r=role: cluster.child("Deployment", f"llm-{r}-probe"),  # type: ignore[misc]
+                                 20, f"the {role} probe") for role in ("prefill", "decode")}
+        for role, probe in probes.items():
+            template = probe["spec"]["template"]
+            assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "baton-probe"
+            assert "token_oracle" in template["spec"]["containers"][0]["args"]
+            running = {"phase": "Running", "podIP": f"10.0.0.{len(role)}", "conditions": [
+                {"type": "Ready", "status": "True"}]}
+            add_pod(cluster, f"llm-{role}-probe-a", "", running, template=template)
+            cluster.set_deployment_status(f"llm-{role}-probe")  # as the controller would
+        state = wait_for(lambda: (r := (cluster.get("llm") or {})["status"].get("rollout", {}))
+                         .get("message", "").startswith("no router pod") and r, 20,
+                         "the gate waiting for a router")
+        assert (state["phase"], state["gate"]) == ("Probing", "pending"), state
+        progressing = cluster.condition("llm", "Progressing")
+        assert (progressing["status"], progressing["reason"]) == ("True", "Probing")
+
+        add_pod(cluster, "llm-decode-probe-b", "", pod_status(terminated(2, REFUSAL)),
+                template=probes["decode"]["spec"]["template"])
+        failed = wait_for(lambda: cluster.condition("llm", "Progressing").get("reason")
+                          == "ProbeFailed" and cluster.condition("llm", "Progressing"), 20,
+                          "Progressing=False/ProbeFailed")
+        assert failed["status"] == "False"
+        assert "the decode probe pod refuses revision" in failed["message"]
+        assert REFUSAL in failed["message"]
+        wait_for(lambda: not cluster.child("Deployment", "llm-decode-probe")
+                 and not cluster.child("Deployment", "llm-prefill-probe"), 20, "probes gone")
+        deployments = {name for kind, name in cluster.children() if kind == "Deployment"}
+        assert deployments == {*old.values(), "llm-router"}  # the new revision never started
+        cluster.set_deployment_status("llm-router")  # (its tokenizer changed with the model)
+        wait_for(lambda: cluster.condition("llm", "Ready").get("status") == "True", 20,
+                 "Ready: the old revision serves")
+        wait_for(lambda: any(e["reason"] == "ProbeFailed" and e["type"] == "Warning"
+                             for e in cluster.events()), 10, "a ProbeFailed Warning")
