@@ -9,6 +9,7 @@ pools must stay within one step of each other (maxSkew, or one pod of the smalle
 
 from __future__ import annotations
 
+import datetime
 import random
 from dataclasses import replace
 from typing import Any
@@ -18,7 +19,8 @@ from baton_operator.builders import build_children, optional_children
 from baton_operator.builders.cluster_key import operator_token
 from baton_operator.builders.pods import spec_revision
 from baton_operator.builders.workloads import PROBE_ARGS, build_probe_deployment
-from baton_operator.probing import Gate
+from baton_operator.kube import Kube
+from baton_operator.probing import Gate, run_gate
 from baton_operator.rollout import (
     PROBE_FAILED,
     PROBING,
@@ -35,6 +37,7 @@ from baton_operator.spec import InferenceService, InvalidSpec, parse_service
 from baton_operator.status import rollout_event
 
 from runtime.auth.key import ClusterKey
+from tests.kube.isvc_helpers import NAMESPACE, Cluster
 
 REV = "aaaaaaaaaaaa"
 OLD = "bbbbbbbbbbbb"
@@ -286,3 +289,41 @@ def test_the_gate_and_the_end_of_a_rollout_are_events() -> None:
     same = st(revision=REV, phase="ProbeFailed", gate="failed", message="probe 1")
     assert rollout_event(same, same) is None  # once, not on every pass
     assert rollout_event({}, st(revision=REV, phase="Stable")) is None  # a first revision
+
+
+def test_the_gate_is_pending_while_the_probe_pods_start_and_fails_past_the_timeout(
+        cluster: Cluster) -> None:
+    """probing.run_gate against the emulated API: without probe pods it waits and says for
+    what; past spec.rollout.probeTimeoutSeconds since the probe Deployments were made it fails
+    and names the setting; with both pods ready but no cluster key it cannot ask the router."""
+    svc = parse_service({"metadata": {"name": "llm", "namespace": NAMESPACE, "uid": "u"},
+                         "spec": {"model": {"uri": "builtin:smollm2-135m"},
+                                  "rollout": {"probeTimeoutSeconds": 60}}})
+    kube, rev = Kube(cluster.client), spec_revision(svc)
+    assert run_gate(kube, svc, rev) == Gate(rev, "pending", "waiting for the prefill and decode "
+                                                            f"probe pod(s) of revision {rev}")
+    made = []
+    for role in ("prefill", "decode"):  # no owner here: the emulator's GC would take them
+        probe = build_probe_deployment(svc, role)
+        del probe["metadata"]["ownerReferences"]
+        made.append(kube.create(probe))
+    stamp = datetime.datetime.fromisoformat(made[0]["metadata"]["creationTimestamp"]
+                                            .replace("Z", "+00:00"))
+    soon = run_gate(kube, svc, rev, now=stamp + datetime.timedelta(seconds=30))
+    assert soon.outcome == "pending"
+    late = run_gate(kube, svc, rev, now=stamp + datetime.timedelta(seconds=61))
+    assert late == Gate(rev, "failed", f"the probe pods of revision {rev} were not ready within "
+                                       "60 s (spec.rollout.probeTimeoutSeconds): prefill and "
+                                       "decode not ready")
+    for role in ("prefill", "decode"):
+        template = build_probe_deployment(svc, role)["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"llm-{role}-probe-x", "namespace": NAMESPACE,
+                            "labels": template["metadata"]["labels"]},
+               "spec": template["spec"]}
+        kube.create(pod)
+        kube.patch("v1", "Pod", NAMESPACE, f"llm-{role}-probe-x", {"status": {
+            "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            subresource="status")
+    assert run_gate(kube, svc, rev) == Gate(rev, "pending", "the cluster key Secret "
+                                                            "llm-cluster-key is missing or empty")
