@@ -124,6 +124,9 @@ def ask_router(kube: Kube, svc: InferenceService, revision: str, body: Mapping[s
         except (OSError, ValueError) as e:
             errors.append(f"{url}: {type(e).__name__}: {e}")
             continue
+        if not isinstance(verdict, dict):
+            errors.append(f"{url}: the verdict is not a JSON object")
+            continue
         if verdict.get("passed") is True:
             return Gate(revision, "passed", f"{len(verdict.get('probes') or [])} probes of "
                                             f"revision {revision} exact")
