@@ -45,7 +45,8 @@ KIND = "NetworkPolicy"
 
 
 def build_network_policies(svc: InferenceService) -> list[dict[str, Any]]:
-    """The three policies, or none when `spec.networkPolicy.enabled` is false."""
+    """One policy per pool and one for the gate's probe pods, or none when
+    `spec.networkPolicy.enabled` is false."""
     if not svc.network_policy.enabled:
         return []
     return [*(_policy(svc, role, _rules(svc, role)) for role in ROLES), _probe_policy(svc)]
@@ -53,8 +54,11 @@ def build_network_policies(svc: InferenceService) -> list[dict[str, Any]]:
 
 def network_policy_keys(svc: InferenceService) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every policy `build_network_policies` may build."""
-    return [*((API, KIND, child_name(svc, role)) for role in ROLES),
-            (API, KIND, f"{svc.name}-probe")]
+    return [*((API, KIND, child_name(svc, role)) for role in ROLES), (API, KIND, _probe(svc))]
+
+
+def _probe(svc: InferenceService) -> str:
+    return f"{svc.name}-probe"
 
 
 def _probe_policy(svc: InferenceService) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def _probe_policy(svc: InferenceService) -> dict[str, Any]:
         plane.append(_port(*UCX_PORT_RANGE))
     policy = _policy(svc, "decode", [_rule([_pods(svc, "router")], [_port(HTTP_PORT)]),
                                      _rule([{"podSelector": {"matchLabels": probes}}], plane)])
-    policy["metadata"]["name"] = f"{svc.name}-probe"
+    policy["metadata"]["name"] = _probe(svc)
     policy["metadata"]["labels"]["app.kubernetes.io/component"] = "probe"
     policy["spec"]["podSelector"] = {"matchLabels": probes}
     return policy
