@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.server.server_process import REPO, free_port
+from tests.ports import free_port
+from tests.server.server_process import REPO
 
 READY_S = 300
 

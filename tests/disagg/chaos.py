@@ -26,8 +26,9 @@ import httpx
 
 from runtime.auth.key import ENV
 from tests.disagg.test_pd_failures import FAST, kv_free
+from tests.ports import free_ports
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_ports
+from tests.server.server_process import ServerProcess
 
 WORDS = ["red", "green", "blue", "cyan", "gold", "gray", "pink", "teal", "navy", "lime"]
 PROMPTS = 24

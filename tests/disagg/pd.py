@@ -18,7 +18,8 @@ import httpx
 from runtime.auth.key import ENV, ClusterKey
 from runtime.auth.ticket import sign
 from runtime.protocol import prompt_digest
-from tests.server.server_process import ServerProcess, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess
 
 
 @dataclass

@@ -18,9 +18,10 @@ import pytest
 
 from runtime.tokenizer import chat_prompt_ids, load_tokenizer
 from tests.disagg.pd import Pair, start_pair
+from tests.ports import free_port
 from tests.router.conftest import wait_for
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_port
+from tests.server.server_process import ServerProcess
 from tests.server.test_kv_events import cached
 
 PAGE = 16

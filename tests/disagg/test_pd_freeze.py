@@ -31,7 +31,8 @@ from runtime.protocol import prompt_digest
 from tests.disagg.partition import Partition
 from tests.disagg.pd import instance_id, tiny_model
 from tests.disagg.test_pd_failures import eventually, kv_free, metric
-from tests.server.server_process import ServerProcess, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess
 
 # fast heartbeats; timeouts long enough for the bystanders to wait out a quarantine
 FLAGS = ("--heartbeat-interval-s", "0.5", "--heartbeat-misses", "2", "--bootstrap-timeout-s", "60",

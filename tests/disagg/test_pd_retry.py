@@ -23,8 +23,9 @@ import pytest
 
 from runtime.auth.key import ENV
 from tests.disagg.test_pd_failures import FAST, eventually, kv_free, metric
+from tests.ports import free_ports
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_ports
+from tests.server.server_process import ServerProcess
 from tests.server.test_tp_serve import ends, followers
 
 SLOW = ("--plugin", "tests.server.slow_prefill", "--attention-backend", "slow-prefill")

@@ -21,7 +21,8 @@ from runtime.auth.key import ENV
 from tests.disagg.pd import Pair
 from tests.disagg.test_pd_tp import MAX_NEW, assert_pd_equals_hf
 from tests.engine.hf_reference import PROMPTS, Reference, hf_greedy
-from tests.server.server_process import ServerProcess, free_port
+from tests.ports import free_port
+from tests.server.server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(400)
 Servers = dict[str, ServerProcess]

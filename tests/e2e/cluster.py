@@ -42,7 +42,8 @@ from runtime.lifecycle import die_with_parent
 from tests.e2e.runner import PodRunner
 from tests.kube.isvc_helpers import wait_for
 from tests.kube.kmock_cluster import EmulatedCluster
-from tests.kube.operator_process import free_port, healthy
+from tests.kube.operator_process import healthy
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Fast reactions for a test cluster; a real deployment keeps the operator's defaults.

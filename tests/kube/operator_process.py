@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,12 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.kube.isvc_helpers import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.ports import free_port
 
 
 def healthy(url: str) -> bool:

@@ -18,7 +18,8 @@ from runtime.models.registry import (
     family_of,
     supported,
 )
-from tests.server.server_process import REPO, free_port
+from tests.ports import free_port
+from tests.server.server_process import REPO
 
 
 def test_every_listed_architecture_has_one_family() -> None:

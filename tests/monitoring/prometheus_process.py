@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.server.server_process import free_port
+from tests.ports import free_port
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 from tests.kube.isvc_helpers import NAMESPACE, Cluster, isvc, wait_for
 from tests.kube.kmock_cluster import EmulatedCluster
 from tests.kube.operator_process import running_operator
-from tests.server.server_process import free_ports
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 

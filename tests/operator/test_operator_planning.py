@@ -23,8 +23,8 @@ from baton_operator.planning import Figures, History, Planning, step
 from baton_operator.spec import InferenceService, InvalidSpec, parse_service
 from baton_operator.status import compute_status
 
-from tests.kube.operator_process import free_port
 from tests.operator.test_operator_builders import UID
+from tests.ports import free_port
 
 KEDA = Capabilities(keda=True, custom_metrics=True, prometheus_url="http://prom:9090")
 POOLS = {"prefill": {"min": 1, "max": 4}, "decode": {"min": 1, "max": 3}}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.router.server_thread import free_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BATON = Path(sys.executable).parent / "baton"

@@ -9,11 +9,7 @@ from typing import Any
 
 import uvicorn
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 def free_port_on(hosts: list[str]) -> int:

@@ -11,8 +11,9 @@ from typing import Any
 
 from runtime.router.discovery import address_url
 from runtime.router.workers import Worker
+from tests.ports import free_port
 from tests.router.conftest import RouterThread, wait_for
-from tests.router.server_thread import free_port, free_port_on
+from tests.router.server_thread import free_port_on
 
 PREFILL, DECODE = "prefill.pool.test", "decode.pool.test"
 

@@ -16,8 +16,9 @@ import pytest
 
 from runtime.auth.key import ENV, ClusterKey
 from runtime.router.probe import oracle_mismatch
+from tests.ports import free_port
 from tests.router.router_process import RouterProcess, start_router
-from tests.server.server_process import ServerProcess, free_port
+from tests.server.server_process import ServerProcess
 
 ADMIN = "probe-admin-key"
 GATED = ("--kv-transfer", "tcp", "--sampler-backend", "token_oracle", "--kv-canary", "raise",

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
+from tests.ports import free_port
 from tests.router.router_process import BATON, start_router
-from tests.router.server_thread import free_port
 
 
 def test_baton_router_serves_static_workers_and_exits_0_on_sigterm(

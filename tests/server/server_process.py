@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 
 from runtime.launch import sharing_cores
 from runtime.lifecycle import die_with_parent
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BATON = Path(sys.executable).parent / "baton"
@@ -22,25 +22,6 @@ BATON = Path(sys.executable).parent / "baton"
 BATON_CMD = [str(BATON)] if BATON.exists() else [sys.executable, "-m", "runtime.cli"]
 MODEL = "builtin:smollm2-135m"
 START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (all held while they are picked: one pick cannot return a port
-    another just returned, as n calls of free_port can)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _die_with_parent() -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 
 from runtime.server.drain import ABORT_WAIT_S
-from tests.server.server_process import BATON, REPO, ServerProcess, free_port, start_server
+from tests.ports import free_port
+from tests.server.server_process import BATON, REPO, ServerProcess, start_server
 
 
 def test_unknown_role_is_rejected() -> None:
