@@ -38,24 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton_operator.apply import controller_uid
-from baton_operator.builders.common import (
-    LABEL_INSTANCE,
-    LABEL_NAME,
-    LABEL_REVISION,
-    LABEL_ROLE,
-    SERVING,
-    deployment_name,
-)
+from baton_operator.builders.common import LABEL_REVISION, deployment_name, selector_labels
 from baton_operator.builders.pods import spec_revision
 from baton_operator.builders.workloads import build_probe_deployment
 from baton_operator.kube import Kube
 from baton_operator.probing import Gate, run_gate
 from baton_operator.spec import WORKER_ROLES, InferenceService, WorkerRole
+from baton_operator.status import PROBE_FAILED, PROBING, ROLLING, STABLE
 
 UNKNOWN = "unknown"  # a Deployment whose pods carry no revision (made before revisions)
 
-# phases, in status.rollout.phase
-STABLE, PROBING, PROBE_FAILED, ROLLING = "Stable", "Probing", "ProbeFailed", "RollingOut"
 
 
 @dataclass(frozen=True)
@@ -79,19 +71,14 @@ class Live:
                    ready=int(status.get("readyReplicas", 0)),
                    created=str(meta.get("creationTimestamp") or ""))
 
-    @property
-    def gone(self) -> bool:
-        """Scaled to nothing, and its pods have left."""
-        return self.desired == 0 and self.pods == 0
-
 
 def live_deployments(kube: Kube, svc: InferenceService) -> dict[WorkerRole, list[dict[str, Any]]]:
     """Every worker Deployment this service controls (probe pods' aside), by pool, oldest
     first."""
     found: dict[WorkerRole, list[dict[str, Any]]] = {}
     for role in WORKER_ROLES:
-        selector = {LABEL_NAME: SERVING, LABEL_INSTANCE: svc.name, LABEL_ROLE: role}
-        mine = [d for d in kube.select("apps/v1", "Deployment", svc.namespace, selector)
+        mine = [d for d in kube.select("apps/v1", "Deployment", svc.namespace,
+                                       selector_labels(svc, role))
                 if controller_uid(d) == svc.uid]
         found[role] = sorted(mine, key=lambda d: (str(d["metadata"].get("creationTimestamp")),
                                                   d["metadata"]["name"]))
@@ -108,7 +95,6 @@ class Plan:
     old: dict[str, int] = field(default_factory=dict)  # an old Deployment's replicas, by name
     delete: list[str] = field(default_factory=list)  # old Deployments that are done
     probes: bool = False  # run the gate's probe pair
-    sizes: dict[WorkerRole, int] = field(default_factory=dict)  # N per pool, while rolling
     step: tuple[int, int] = (0, 0)  # (i, K)
     message: str = ""
 
@@ -158,7 +144,7 @@ def plan(svc: InferenceService, revision: str, live: Mapping[WorkerRole, list[Li
                              for role in WORKER_ROLES)
     keep = {role: sizes[role] - new_at(step if ready else max(step - 1, 0), sizes[role], k)
             for role in WORKER_ROLES}
-    result = Plan(ROLLING, revision, sizes=dict(sizes), step=(step, k))
+    result = Plan(ROLLING, revision, step=(step, k))
     for role in WORKER_ROLES:
         result.old.update(_share(old[role], keep[role]))
     old_done = all(d.desired <= result.old[d.name] and d.pods <= result.old[d.name]

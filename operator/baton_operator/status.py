@@ -17,6 +17,9 @@ from typing import Any
 
 from baton_operator.spec import ROLES, InferenceService, Role
 
+# status.rollout.phase (rollout.py): one revision serves; the gate probes a new one; both
+# serve while the pools step to it; the gate failed and the old one serves on
+STABLE, PROBING, ROLLING, PROBE_FAILED = "Stable", "Probing", "RollingOut", "ProbeFailed"
 # Ready=False reasons that need a person (Warning events); the others are progress (Normal).
 PROBLEMS = ("InvalidSpec", "NameConflict", "ModelNotServable")
 
@@ -161,16 +164,16 @@ def merged(deployments: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
 
 
 # status.rollout.phase (rollout.py) -> the Progressing condition while it lasts
-ROLLOUT_REASONS = {"Probing": True, "RollingOut": True, "ProbeFailed": False}
+ROLLOUT_REASONS = {PROBING: True, ROLLING: True, PROBE_FAILED: False}
 
 
 def _rollout_condition(rollout: Mapping[str, Any]) -> dict[str, Any]:
     phase = str(rollout["phase"])
     pools = f"prefill {rollout.get('prefill', '')}, decode {rollout.get('decode', '')}"
-    if phase == "ProbeFailed":
+    if phase == PROBE_FAILED:
         message = (f"revision {rollout.get('revision')} failed the gate, the old revision "
                    f"keeps serving: {rollout.get('message', '')}")
-    elif phase == "Probing":
+    elif phase == PROBING:
         message = (f"probing revision {rollout.get('revision')} before it serves: "
                    f"{rollout.get('message') or 'starting the probe pods'}")
     else:
@@ -227,7 +230,7 @@ def rollout_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, 
             return "Warning", "ProbeFailed", (f"revision {revision} failed the gate, the old "
                                               f"revision keeps serving: {after.get('message')}")
         return "Normal", "ProbePassed", f"revision {revision}: {after.get('message')}"
-    if before.get("phase") == "RollingOut" and after.get("phase") == "Stable":
+    if before.get("phase") == ROLLING and after.get("phase") == STABLE:
         return "Normal", "RolledOut", f"revision {revision} serves alone"
     return None
 

@@ -423,7 +423,8 @@ class Streams:
     def __init__(self, url: str, expected: dict[str, tuple[str, int, str]], clients: int = 2
                  ) -> None:
         self.url, self.expected = url, expected
-        self.done, self.failures = 0, []  # type: ignore[var-annotated]
+        self.done = 0
+        self.failures: list[tuple[Any, ...]] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(clients)]
 
